@@ -1,0 +1,102 @@
+"""Backend registry: URL scheme -> ``"module:Class"``, imported only when asked for.
+
+No backend is imported here, so ``import celery_dlock`` needs no driver. An unknown scheme
+gets a "did you mean" hint; a missing driver names the extra that installs it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from celery_dlock.backends.base import Capabilities, LockBackend
+from celery_dlock.errors import ConfigurationError, MissingDependencyError, UnknownBackendError
+
+__all__ = [
+    "BACKENDS",
+    "Capabilities",
+    "LockBackend",
+    "backend_class",
+    "backend_from_url",
+    "mask_url",
+]
+
+#: scheme -> (``"module:Class"``, package extra that installs its driver)
+BACKENDS: dict[str, tuple[str, str | None]] = {
+    "memory": ("celery_dlock.backends.memory:MemoryBackend", None),
+    "file": ("celery_dlock.backends.file:FileBackend", None),
+    "postgresql": ("celery_dlock.backends.postgres:PostgresBackend", "postgres"),
+    "postgresql+psycopg": ("celery_dlock.backends.postgres:PostgresBackend", "postgres"),
+    "postgres": ("celery_dlock.backends.postgres:PostgresBackend", "postgres"),
+    "redis": ("celery_dlock.backends.redis:RedisBackend", "redis"),
+    "rediss": ("celery_dlock.backends.redis:RedisBackend", "redis"),
+    "unix": ("celery_dlock.backends.redis:RedisBackend", "redis"),
+    "gs": ("celery_dlock.backends.gcs:GCSBackend", "gcs"),
+    "s3": ("celery_dlock.backends.s3:S3Backend", "s3"),
+}
+
+
+def _scheme(url: str) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(
+            f"a lock backend URL looks like 'scheme://...', got {url!r} "
+            f"(schemes: {', '.join(sorted(BACKENDS))})"
+        )
+    return url.split("://", 1)[0].lower()
+
+
+def backend_class(url: str) -> type[LockBackend]:
+    """The backend class that serves ``url``, imported now.
+
+    Raises:
+        UnknownBackendError: no backend for the URL's scheme.
+        MissingDependencyError: the backend's driver is not installed.
+    """
+    scheme = _scheme(url)
+    try:
+        target, extra = BACKENDS[scheme]
+    except KeyError:
+        close = difflib.get_close_matches(scheme, BACKENDS, n=1)
+        raise UnknownBackendError(scheme, close[0] if close else None) from None
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or "?"
+        if extra is None or missing.startswith("celery_dlock"):
+            raise
+        raise MissingDependencyError(scheme, missing.split(".")[0], extra) from exc
+    cls: type[LockBackend] = getattr(module, class_name)
+    return cls
+
+
+def backend_from_url(url: str, **options: Any) -> LockBackend:
+    """A backend for ``url`` (``postgresql://...``, ``redis://...``, ``file:///dir``...).
+
+    ``options`` are passed to the backend and win over the URL's query options.
+
+    Raises:
+        ConfigurationError: the URL is malformed or names an unknown option.
+        UnknownBackendError: no backend for the URL's scheme.
+        MissingDependencyError: the backend's driver is not installed.
+    """
+    return backend_class(url).from_url(url, **options)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``, for logs and output."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    netloc = f"{user}:***@{host}{port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -1,0 +1,279 @@
+"""The backend contract: :class:`LockBackend` and its :class:`Capabilities`.
+
+A backend performs single atomic steps and never waits on its own account: waiting,
+retrying and renewal live in :mod:`celery_dlock.lock` and :mod:`celery_dlock.renewal`.
+Every backend passes the shared contract suite in ``tests/backends/``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+from celery_dlock.errors import ConfigurationError
+from celery_dlock.records import Holder, Lease, Outcome, Record
+
+__all__ = ["Capabilities", "Clock", "LockBackend", "ProcessLocal", "validate_ttl"]
+
+#: Seconds since the epoch; backends whose expiry uses the caller's clock take one.
+Clock = Callable[[], float]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store guarantees, as data the tests check.
+
+    Attributes:
+        liveness: how a dead holder is noticed. ``session``: its connection ends (Postgres);
+            ``process``: its process is gone from this host (file); ``lease``: it stops
+            renewing before ``expires_at`` (Redis, object stores, memory).
+        push_wait: ``wait()`` is woken by the store when a key is released.
+        cross_process: processes on one host share the locks.
+        cross_host: processes on different hosts share the locks.
+        durable_history: history survives a restart of the store.
+        server_clock: expiry is judged by the store's clock, not the caller's.
+    """
+
+    liveness: Literal["session", "process", "lease"]
+    push_wait: bool
+    cross_process: bool
+    cross_host: bool
+    durable_history: bool
+    server_clock: bool
+
+
+def validate_ttl(ttl: float | None) -> float | None:
+    """``ttl`` as float seconds, or None for no expiry.
+
+    Raises:
+        ConfigurationError: for zero or negative values; a zero TTL would delete the lock in
+            some stores and never expire it in others.
+    """
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise ConfigurationError(f"ttl must be a positive number of seconds or None, not {ttl!r}")
+    return float(ttl)
+
+
+class LockBackend(ABC):
+    """One lock store behind one narrow interface.
+
+    Methods that change a lock are atomic and compare on the lease's token: a backend never
+    deletes or overwrites a lock it does not own. Times are seconds since the epoch.
+    """
+
+    #: Short name used in messages and the registry (``file``, ``postgres``...).
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    #: The URL with its password masked; set by ``from_url``.
+    url: str = ""
+
+    @classmethod
+    @abstractmethod
+    def from_url(cls, url: str, **options: Any) -> LockBackend:
+        """Build the backend for ``url``; ``options`` override the URL's query options."""
+
+    @abstractmethod
+    def try_acquire(self, key: str, holder: Holder, ttl: float | None) -> Lease | None:
+        """One attempt to take ``key``; never waits.
+
+        If the current holder is provably gone (by the store's liveness rule) the key is
+        taken over and the old lease recorded as ``disconnected`` or ``expired`` in the same
+        atomic step.
+
+        Returns:
+            the new lease, or None if the key is held.
+        """
+
+    @abstractmethod
+    def release(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None = None,
+        details: str | None = None,
+        result: Any = None,
+    ) -> Record | None:
+        """Release ``lease`` if it is still ours and append its record, atomically.
+
+        Returns:
+            the record written, or None when the lease was no longer ours (the caller then
+            reports it as ``lost``).
+        """
+
+    @abstractmethod
+    def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
+        """Extend ``lease`` to ``ttl`` seconds from now if it is still ours, else None."""
+
+    @abstractmethod
+    def get(self, key: str) -> Lease | None:
+        """The current lease on ``key``, or None."""
+
+    @abstractmethod
+    def leases(self, prefix: str = "") -> list[Lease]:
+        """Current leases whose key starts with ``prefix``, ordered by key."""
+
+    @abstractmethod
+    def history(
+        self,
+        key: str | None = None,
+        outcome: Outcome | None = None,
+        since: float | None = None,
+        limit: int | None = 100,
+    ) -> list[Record]:
+        """Records, newest first, filtered by key, outcome and release time."""
+
+    @abstractmethod
+    def last_success(self, key: str, task_name: str) -> Record | None:
+        """The newest ``succeeded`` record on ``key`` of a holder with this ``task_name``.
+
+        Kept apart from history (``prune_history`` leaves it) for ``once``; leases whose
+        holder has no task name leave none.
+        """
+
+    @abstractmethod
+    def reap(self, limit: int = 100) -> list[Record]:
+        """Clear up to ``limit`` leases whose holder is gone or whose time ran out, each
+        recorded as ``disconnected`` or ``expired``."""
+
+    @abstractmethod
+    def force_release(self, key: str, reason: str) -> Record | None:
+        """Release whatever lease is on ``key`` now, recorded as ``forced`` with ``reason``.
+
+        Conditional on the token read: a lease taken meanwhile is left alone.
+
+        Returns:
+            the record, or None if the key was free (or changed hands meanwhile).
+        """
+
+    @abstractmethod
+    def prune_history(self, before: float) -> int:
+        """Delete records released before ``before``; returns how many went.
+
+        ``last_success`` answers kept for ``once`` are not history and stay.
+        """
+
+    @abstractmethod
+    def wait(self, key: str, timeout: float) -> None:
+        """Return when ``key`` may have become free, or after ``timeout`` seconds.
+
+        A push from the store where it has one, else a bounded, jittered poll; may return
+        early. The caller tries again and calls again.
+        """
+
+    def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing
+        """Release clients and files held by this process."""
+
+    def __enter__(self) -> LockBackend:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+
+class ProcessLocal(Generic[T]):
+    """An object made lazily, once per process id.
+
+    Celery forks its pool after the app is imported; a socket or file inherited from the
+    parent would be shared by both processes. ``get()`` makes a fresh object in a child
+    and drops (without closing) the parent's copy, which still belongs to the parent.
+    """
+
+    def __init__(self, factory: Callable[[], T], close: Callable[[T], None] | None = None) -> None:
+        self._factory = factory
+        self._close = close
+        self._pid = -1
+        self._value: T | None = None
+        self._mutex = threading.Lock()
+
+    def get(self) -> T:
+        value = self._value
+        if value is not None and self._pid == os.getpid():
+            return value
+        with self._mutex:
+            if self._value is None or self._pid != os.getpid():
+                self._value = self._factory()
+                self._pid = os.getpid()
+            return self._value
+
+    def reset(self) -> None:
+        """Close this process's object, if any; the next ``get()`` makes a new one."""
+        with self._mutex:
+            value, self._value = self._value, None
+            if value is not None and self._pid == os.getpid() and self._close is not None:
+                self._close(value)
+
+
+def expired(lease: Lease, now: float) -> bool:
+    """Whether ``lease`` has run past its expiry at time ``now``."""
+    return lease.expires_at is not None and lease.expires_at <= now
+
+
+def expiry(now: float, ttl: float | None) -> float | None:
+    return None if ttl is None else now + ttl
+
+
+def wall_clock() -> float:
+    return time.time()
+
+
+def flag(text: str) -> bool:
+    """A boolean URL option: ``1/true/yes/on`` or ``0/false/no/off``."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def url_options(
+    backend: str,
+    query: str,
+    known: dict[str, Callable[[str], Any]],
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    """Options from a URL query string, converted, with ``overrides`` on top.
+
+    Raises:
+        ConfigurationError: an option is unknown, repeated or has a bad value; the message
+            names the option and the known ones.
+    """
+    from urllib.parse import parse_qsl
+
+    options: dict[str, Any] = {}
+    pairs = parse_qsl(query, keep_blank_values=True)
+    for name, text in pairs:
+        if name not in known:
+            raise ConfigurationError(
+                f"unknown option {name!r} in the {backend} backend URL "
+                f"(known: {', '.join(sorted(known)) or 'none'})"
+            )
+        if name in options:
+            raise ConfigurationError(f"option {name!r} is given twice in the {backend} URL")
+        try:
+            options[name] = known[name](text)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"bad value {text!r} for option {name!r} of the {backend} backend: {exc}"
+            ) from None
+    for name, value in overrides.items():
+        if name not in known:
+            raise ConfigurationError(
+                f"unknown option {name!r} for the {backend} backend "
+                f"(known: {', '.join(sorted(known)) or 'none'})"
+            )
+        options[name] = value
+    return options

@@ -1,0 +1,208 @@
+"""Keys: from a template and a call's arguments to a validated key such as ``job:order:42``.
+
+A template names parameters of the guarded function: ``"order:{order_id}"``, the literal
+form ``"order:<order_id>"``, attribute and item access (``{order.id}``, ``{payload[id]}``),
+or it is a callable that returns the key. Arguments are bound to the function's signature
+with defaults applied, so ``charge(42, 10)`` and ``charge(amount=10, order_id=42)`` give the
+same key. Values are written in a canonical text, so equal values give equal keys.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import inspect
+import re
+import string
+import unicodedata
+import uuid
+from collections.abc import Callable, Mapping
+from decimal import Decimal
+from enum import Enum
+from typing import Any
+
+from celery_dlock.errors import LockKeyError
+
+__all__ = ["MAX_KEY_BYTES", "KeyTemplate", "canonical", "validate_key"]
+
+#: Longest key accepted, in UTF-8 bytes.
+MAX_KEY_BYTES = 1024
+
+_FORMATTER = string.Formatter()
+_LITERAL_PLACEHOLDER = re.compile(r"<([A-Za-z_]\w*(?:\.\w+|\[[^\[\]<>{}]+\])*)>")
+_ROOT = re.compile(r"[^.\[]*")
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a usable key, else raise :class:`LockKeyError` saying why.
+
+    A key is non-empty, at most :data:`MAX_KEY_BYTES` bytes of UTF-8, and has no control
+    characters (they break logs, file names and terminals).
+    """
+    if not isinstance(key, str):
+        raise LockKeyError(f"a lock key must be a str, not {type(key).__name__}: {key!r}")
+    if not key:
+        raise LockKeyError("the lock key is empty")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise LockKeyError(f"the lock key {key!r} is not valid Unicode text") from None
+    if size > MAX_KEY_BYTES:
+        raise LockKeyError(
+            f"the lock key is {size} bytes of UTF-8, over the limit of {MAX_KEY_BYTES}: "
+            f"{key[:60]!r}..."
+        )
+    for char in key:
+        if unicodedata.category(char) == "Cc" or char in "\u2028\u2029":
+            raise LockKeyError(f"the lock key {key!r} contains the control character {char!r}")
+    return key
+
+
+def canonical(value: Any) -> str:
+    """The canonical text of a key value; equal values give equal text.
+
+    Accepted: str, int, bool, None, float, UUID, Decimal, datetime, date, time, Enum (its
+    value). Anything else raises :class:`LockKeyError`: a default ``repr`` holds a memory
+    address and would make a different key on every call.
+    """
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, Enum):
+        return canonical(value.value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return str(int(value))
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, Decimal):
+        return _canonical_decimal(value)
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is not None and value.utcoffset() is not None:
+            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
+            return f"{value.isoformat()}Z"
+        return str(value.isoformat())
+    if isinstance(value, (dt.date, dt.time)):
+        return str(value.isoformat())
+    raise LockKeyError(
+        f"no canonical key text for a value of type {type(value).__qualname__}: "
+        "pass a str, int, UUID, Decimal, date, datetime or Enum, or use a callable lock_key"
+    )
+
+
+def _canonical_decimal(value: Decimal) -> str:
+    if not value.is_finite():
+        return str(value)
+    if value.is_zero():
+        return "0"
+    return format(value.normalize(), "f")
+
+
+class KeyTemplate:
+    """A key template bound to the function whose arguments fill it.
+
+    Args:
+        source: the template (``"order:{order_id}"`` or ``"order:<order_id>"``) or a callable
+            that gets the call's arguments, bound and with defaults, and returns the key.
+        func: the guarded function; its signature is checked now, so a placeholder that is
+            not a parameter fails at definition time.
+        namespace: prefix joined with ``:`` (``job`` gives ``job:order:42``); ``""`` for none.
+        owner: the name used in error messages (the task's name).
+
+    Raises:
+        LockKeyError: a placeholder is not a parameter of ``func``, or is positional.
+    """
+
+    def __init__(
+        self,
+        source: str | Callable[..., Any],
+        func: Callable[..., Any],
+        *,
+        namespace: str = "job",
+        owner: str | None = None,
+    ) -> None:
+        self.owner = owner or getattr(func, "__qualname__", repr(func))
+        self.namespace = namespace
+        self.signature = inspect.signature(func)
+        self.callable: Callable[..., Any] | None = None
+        self.template = ""
+        if callable(source):
+            self.callable = source
+        elif isinstance(source, str):
+            self.template = _LITERAL_PLACEHOLDER.sub(r"{\1}", source)
+            self._check_placeholders(source)
+        else:
+            raise LockKeyError(
+                f"lock_key of {self.owner} must be a str template or a callable, "
+                f"not {type(source).__name__}"
+            )
+
+    def _check_placeholders(self, source: str) -> None:
+        parameters = self.signature.parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        try:
+            fields = [name for _, name, _, _ in _FORMATTER.parse(self.template) if name is not None]
+        except ValueError as exc:
+            raise LockKeyError(f"lock_key {source!r} of {self.owner} is malformed: {exc}") from None
+        for name in fields:
+            root = _ROOT.match(name).group()  # type: ignore[union-attr]  # matches "" at worst
+            if not root or root.isdigit():
+                raise LockKeyError(
+                    f"lock_key {source!r} of {self.owner} has a positional placeholder "
+                    f"{{{name}}}: name the parameter instead"
+                )
+            if root not in parameters and not takes_any:
+                known = ", ".join(parameters) or "none"
+                raise LockKeyError(
+                    f"lock_key {source!r} of {self.owner} uses {root!r}, which is not a "
+                    f"parameter of {self.owner} (parameters: {known})"
+                )
+
+    def render(self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The full, validated key for one call.
+
+        Raises:
+            LockKeyError: an argument is missing, a placeholder cannot be resolved, a value
+                has no canonical text, or the key is empty, too long or has control chars.
+        """
+        try:
+            bound = self.signature.bind(*args, **(kwargs or {}))
+        except TypeError as exc:
+            raise LockKeyError(f"cannot build the lock key of {self.owner}: {exc}") from None
+        bound.apply_defaults()
+        if self.callable is not None:
+            value = self.callable(*bound.args, **bound.kwargs)
+            body = value if isinstance(value, str) else canonical(value)
+        else:
+            body = self._fill(bound.arguments)
+        key = f"{self.namespace}:{body}" if self.namespace else body
+        return validate_key(key)
+
+    def _fill(self, arguments: Mapping[str, Any]) -> str:
+        values = dict(arguments)
+        for parameter in self.signature.parameters.values():
+            if parameter.kind is parameter.VAR_KEYWORD:
+                values.update(values.pop(parameter.name, {}))
+        parts = []
+        for literal, name, spec, conversion in _FORMATTER.parse(self.template):
+            parts.append(literal)
+            if name is None:
+                continue
+            try:
+                value, _ = _FORMATTER.get_field(name, (), values)
+            except (KeyError, AttributeError, IndexError, TypeError) as exc:
+                raise LockKeyError(
+                    f"cannot build the lock key of {self.owner}: no value for {{{name}}} "
+                    f"({type(exc).__name__}: {exc})"
+                ) from None
+            if conversion:
+                value = _FORMATTER.convert_field(value, conversion)
+            parts.append(format(value, spec) if spec else canonical(value))
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        source = self.template or repr(self.callable)
+        return f"KeyTemplate({source!r}, owner={self.owner!r}, namespace={self.namespace!r})"

@@ -1,0 +1,305 @@
+"""The data of a lock: who holds it (:class:`Holder`), the held lock (:class:`Lease`), and
+one history entry (:class:`Record`) with its :class:`Outcome`.
+
+All are frozen: a renewed lease is a new ``Lease``. ``to_dict``/``from_dict`` give the JSON
+form that the file, Redis and object-store backends store, so one change of a field is one
+change here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from functools import lru_cache
+from typing import Any
+
+__all__ = [
+    "DETAILS_LIMIT",
+    "Holder",
+    "Lease",
+    "Outcome",
+    "Record",
+    "describe_exception",
+    "new_token",
+    "truncate_utf8",
+]
+
+#: Upper bound, in UTF-8 bytes, of a record's ``details`` (message + traceback).
+DETAILS_LIMIT = 8192
+
+
+class Outcome(str, Enum):
+    """How a lease ended."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    RETRIED = "retried"
+    REVOKED = "revoked"
+    SKIPPED = "skipped"
+    DISCONNECTED = "disconnected"
+    EXPIRED = "expired"
+    FORCED = "forced"
+    LOST = "lost"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def new_token() -> str:
+    """A fresh random token: 128 bits, hex."""
+    return os.urandom(16).hex()
+
+
+@lru_cache(maxsize=1)
+def _ticks_per_second() -> int:
+    return os.sysconf("SC_CLK_TCK")
+
+
+def process_start(pid: int) -> float | None:
+    """The start time of process ``pid`` in seconds since boot, or None if there is no such
+    process (or no ``/proc``).
+
+    Seconds since boot, not since the epoch: ``/proc/stat``'s boot time moves when the wall
+    clock is stepped, which would make a live process look like a recycled pid.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Field 22 counts from the end of the command name, which may itself hold spaces or ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19]) / _ticks_per_second()
+
+
+@lru_cache(maxsize=1)
+def _host_id() -> str:
+    """Which kernel boot and pid namespace our pids belong to ('' where unknown)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{boot}/{namespace}"
+
+
+@dataclass(frozen=True, slots=True)
+class Holder:
+    """Who holds (or asks for) a lease.
+
+    ``host_id`` names the kernel boot and pid namespace of ``pid``; ``started`` is the
+    process's start in seconds since that boot. Together they tell a live process from a
+    recycled pid. ``nonce`` is new for every attempt, so a redelivered Celery task with the
+    same ``task_id`` is a different holder.
+    """
+
+    host: str
+    pid: int
+    started: float | None
+    host_id: str
+    nonce: str
+    worker: str | None = None
+    task_id: str | None = None
+    task_name: str | None = None
+
+    @classmethod
+    def current(
+        cls,
+        *,
+        worker: str | None = None,
+        task_id: str | None = None,
+        task_name: str | None = None,
+    ) -> Holder:
+        """The holder for this process, with a fresh nonce."""
+        pid = os.getpid()
+        host, started, host_id = _identity(pid)
+        return cls(
+            host=host,
+            pid=pid,
+            started=started,
+            host_id=host_id,
+            nonce=os.urandom(8).hex(),
+            worker=worker,
+            task_id=task_id,
+            task_name=task_name,
+        )
+
+    def is_gone(self) -> bool:
+        """True only when this holder's process provably no longer exists.
+
+        That needs the same kernel and pid namespace as ours; then the pid must be free or
+        belong to a process with another start time. Anything we cannot check is alive.
+        """
+        if not self.host_id or self.host_id != _host_id():
+            return False
+        started = process_start(self.pid)
+        if started is None:
+            return not _pid_exists(self.pid)
+        return self.started is not None and started != self.started
+
+    def describe(self) -> str:
+        """A short human description: ``task_name[task_id] on worker (host pid N)``."""
+        who = f"pid {self.pid} on {self.host}"
+        if self.task_id:
+            task = f"{self.task_name or 'task'}[{self.task_id}]"
+            where = f" on {self.worker}" if self.worker else ""
+            return f"{task}{where} ({who})"
+        return who
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "pid": self.pid,
+            "started": self.started,
+            "host_id": self.host_id,
+            "nonce": self.nonce,
+            "worker": self.worker,
+            "task_id": self.task_id,
+            "task_name": self.task_name,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Holder:
+        return cls(**data)
+
+
+@lru_cache(maxsize=4)
+def _identity(pid: int) -> tuple[str, float | None, str]:
+    """Host name, start time and host id of our own process (cached per pid: forks differ)."""
+    return socket.gethostname(), process_start(pid), _host_id()
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A held lock.
+
+    ``token`` is unique per acquisition; every release or renewal compares on it. ``fence``
+    strictly increases per key: hand it to the protected resource so it can refuse a writer
+    whose lease was lost. Times are seconds since the epoch on the store's clock;
+    ``expires_at`` is None where liveness is the holder's connection or process.
+    ``version`` is the store's own compare-and-swap handle (object generation, ETag), opaque.
+    """
+
+    key: str
+    token: str
+    fence: int
+    holder: Holder
+    acquired_at: float
+    expires_at: float | None = None
+    version: str | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {
+            "key": self.key,
+            "token": self.token,
+            "fence": self.fence,
+            "holder": self.holder.to_dict(),
+            "acquired_at": self.acquired_at,
+            "expires_at": self.expires_at,
+        }
+        if self.version is not None:
+            data["version"] = self.version
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Lease:
+        return cls(
+            key=data["key"],
+            token=data["token"],
+            fence=int(data["fence"]),
+            holder=Holder.from_dict(data["holder"]),
+            acquired_at=float(data["acquired_at"]),
+            expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
+            version=data.get("version"),
+        )
+
+    def with_version(self, version: str | None) -> Lease:
+        return replace(self, version=version)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One history entry: a lease and how it ended.
+
+    ``problem`` is the exception type (``decimal.InvalidOperation``) or a word such as
+    ``disconnected``; ``details`` the message and a traceback, at most 8 KiB; ``result`` the
+    task's JSON-compatible return value, kept for ``once``.
+    """
+
+    lease: Lease
+    released_at: float
+    outcome: Outcome
+    problem: str | None = None
+    details: str | None = None
+    result: Any = None
+
+    @property
+    def key(self) -> str:
+        return self.lease.key
+
+    @property
+    def fence(self) -> int:
+        return self.lease.fence
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lease": self.lease.to_dict(),
+            "released_at": self.released_at,
+            "outcome": self.outcome.value,
+            "problem": self.problem,
+            "details": self.details,
+            "result": self.result,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Record:
+        return cls(
+            lease=Lease.from_dict(data["lease"]),
+            released_at=float(data["released_at"]),
+            outcome=Outcome(data["outcome"]),
+            problem=data.get("problem"),
+            details=data.get("details"),
+            result=data.get("result"),
+        )
+
+
+def truncate_utf8(text: str, limit: int = DETAILS_LIMIT) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes, keeping its head and its tail.
+
+    The head holds the message and the tail the innermost frames, which are what a reader
+    needs; the middle of a long traceback is what goes.
+    """
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= limit:
+        return text
+    marker = b"\n[... truncated ...]\n"
+    room = limit - len(marker)
+    head = data[: room // 2].decode("utf-8", "ignore")
+    tail = data[len(data) - (room - room // 2) :].decode("utf-8", "ignore")
+    return head + marker.decode() + tail
+
+
+def describe_exception(exc: BaseException) -> tuple[str, str]:
+    """``(problem, details)`` for an exception: its qualified type, and its message with a
+    traceback, bounded to :data:`DETAILS_LIMIT` bytes."""
+    kind = type(exc)
+    module = kind.__module__
+    problem = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+    message = str(exc)
+    details = f"{message}\n{text}" if message else text
+    return problem, truncate_utf8(details.rstrip("\n"))

@@ -1,0 +1,94 @@
+"""Background renewal of leases that expire, and what happens when one is lost.
+
+A :class:`Renewer` is a real OS thread (not a greenlet: a blocked event loop must not stop
+renewals) that renews a lease every ``ttl / 3`` seconds. A renewal that returns None means
+the lease is gone: the renewer marks it lost and calls ``on_lost`` once. A renewal that
+raises (store unreachable) is retried until the lease would have expired by our own
+monotonic clock; then the lease is treated as lost too, since someone else may hold it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.errors import DLockError
+from celery_dlock.records import Lease
+
+__all__ = ["Renewer"]
+
+logger = logging.getLogger("celery_dlock.renewal")
+
+
+class Renewer:
+    """Keeps one lease alive until :meth:`stop`.
+
+    Args:
+        backend: the store that holds the lease.
+        lease: the lease to renew; :attr:`lease` is always the newest one.
+        ttl: the lease's time to live, in seconds; renewals come every ``ttl / 3``.
+        on_lost: called once, from the renewal thread, with the last known lease.
+    """
+
+    def __init__(
+        self,
+        backend: LockBackend,
+        lease: Lease,
+        ttl: float,
+        on_lost: Callable[[Lease], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.lease = lease
+        self.ttl = ttl
+        self.interval = ttl / 3
+        self.on_lost = on_lost
+        self.lost = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"dlock-renew:{lease.key}", daemon=True
+        )
+
+    def start(self) -> Renewer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop renewing and wait for a renewal under way, so none races the release."""
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        renewed_at = time.monotonic()
+        while not self._stopping.wait(self.interval):
+            try:
+                lease = self.backend.renew(self.lease, self.ttl)
+            except DLockError as exc:
+                if time.monotonic() - renewed_at < self.ttl:
+                    logger.warning("renewal of %s failed, will retry: %s", self.lease.key, exc)
+                    continue
+                logger.error("lease on %s expired while its store failed: %s", self.lease.key, exc)
+                lease = None
+            if self._stopping.is_set():
+                return
+            if lease is None:
+                self._lose()
+                return
+            self.lease = lease
+            renewed_at = time.monotonic()
+
+    def _lose(self) -> None:
+        self.lost.set()
+        logger.error(
+            "lease on %s (fence %d) was lost: another holder may run now",
+            self.lease.key,
+            self.lease.fence,
+        )
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self.lease)
+            except Exception:
+                logger.exception("on_lost callback for %s failed", self.lease.key)

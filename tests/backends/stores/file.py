@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from storecase import StoreCase
+
+from celery_dlock.backends.file import FileBackend
+from celery_dlock.testing import FakeClock
+
+NAME = "file"
+
+
+@contextmanager
+def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCase]:
+    clock = FakeClock()
+    directory = tmp_path / "locks"
+    backend = FileBackend(str(directory), clock=clock)
+    yield StoreCase(
+        backend=backend,
+        url=f"file://{directory}",
+        clock=clock,
+        second=lambda: FileBackend(str(directory), clock=clock),
+    )

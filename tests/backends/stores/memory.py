@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from storecase import StoreCase
+
+from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.testing import FakeClock
+
+NAME = "memory"
+
+
+@contextmanager
+def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCase]:
+    clock = FakeClock()
+    backend = MemoryBackend(clock=clock)
+    yield StoreCase(backend=backend, url=None, clock=clock, second=lambda: backend)

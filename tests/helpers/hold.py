@@ -1,0 +1,30 @@
+"""Hold a lock until killed: ``python hold.py URL KEY [TTL]``.
+
+Prints the lease as one JSON line once it is held, then sleeps. Tests SIGKILL it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from celery_dlock import backend_from_url
+from celery_dlock.records import Holder
+
+
+def main() -> None:
+    url, key = sys.argv[1], sys.argv[2]
+    ttl = float(sys.argv[3]) if len(sys.argv) > 3 else None
+    backend = backend_from_url(url)
+    lease = backend.try_acquire(key, Holder.current(task_name="tests.hold"), ttl)
+    if lease is None:
+        print(json.dumps(None), flush=True)
+        sys.exit(3)
+    print(json.dumps(lease.to_dict()), flush=True)
+    while True:
+        time.sleep(60)
+
+
+if __name__ == "__main__":
+    main()
