@@ -1,0 +1,114 @@
+"""A loopback TCP proxy that counts round trips, for tests that pin them down.
+
+A round trip is one burst of bytes from the client that the server then answers: the
+proxy counts each time client data arrives after the last traffic went the other way
+(or first on a connection). Pipelined commands sent in one burst count once, which is the
+point: that is one network wait for the client.
+
+    with CountingProxy("127.0.0.1", 5432) as proxy:
+        connect to ("127.0.0.1", proxy.port) ...
+        proxy.reset(); do_something(); assert proxy.round_trips == 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+
+
+class CountingProxy:
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._round_trips = 0
+        self._last_activity = time.monotonic()
+        self._closing = threading.Event()
+        self._connections: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+
+    def __enter__(self) -> CountingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def round_trips(self) -> int:
+        """Round trips since the last ``reset``, once the traffic has gone quiet."""
+        self.settle()
+        with self._lock:
+            return self._round_trips
+
+    def reset(self) -> None:
+        self.settle()
+        with self._lock:
+            self._round_trips = 0
+
+    def settle(self, quiet: float = 0.05) -> None:
+        """Wait until no byte has moved for ``quiet`` seconds (replies still in flight)."""
+        while True:
+            with self._lock:
+                idle = time.monotonic() - self._last_activity
+            if idle >= quiet:
+                return
+            time.sleep(quiet - idle)
+
+    def kill_connections(self) -> None:
+        """Cut every proxied connection at once, as a network failure would."""
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for sock in connections:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._listener.close()
+        self.kill_connections()
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, server):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._connections += [client, server]
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        last_from_client = False
+        peers = {client: server, server: client}
+        try:
+            while not self._closing.is_set():
+                readable, _, _ = select.select([client, server], [], [], 0.5)
+                for sock in readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    with self._lock:
+                        self._last_activity = time.monotonic()
+                        if sock is client and not last_from_client:
+                            self._round_trips += 1
+                    last_from_client = sock is client
+                    peers[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            for sock in (client, server):
+                with contextlib.suppress(OSError):
+                    sock.close()
