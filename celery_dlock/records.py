@@ -29,6 +29,8 @@ __all__ = [
 
 #: Upper bound, in UTF-8 bytes, of a record's ``details`` (message + traceback).
 DETAILS_LIMIT = 8192
+_MESSAGE_LIMIT = 2048
+_LINE_LIMIT = 1024
 
 
 class Outcome(str, Enum):
@@ -295,11 +297,16 @@ def truncate_utf8(text: str, limit: int = DETAILS_LIMIT) -> str:
 
 def describe_exception(exc: BaseException) -> tuple[str, str]:
     """``(problem, details)`` for an exception: its qualified type, and its message with a
-    traceback, bounded to :data:`DETAILS_LIMIT` bytes."""
+    traceback, bounded to :data:`DETAILS_LIMIT` bytes.
+
+    The message and each traceback line are cut first (to 2 KiB and 1 KiB), so a huge
+    message cannot push the frames out of the bound.
+    """
     kind = type(exc)
     module = kind.__module__
     problem = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
-    text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
-    message = str(exc)
+    lines = traceback.format_exception(kind, exc, exc.__traceback__)
+    text = "".join(truncate_utf8(line, _LINE_LIMIT) for line in lines)
+    message = truncate_utf8(str(exc), _MESSAGE_LIMIT)
     details = f"{message}\n{text}" if message else text
     return problem, truncate_utf8(details.rstrip("\n"))

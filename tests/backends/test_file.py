@@ -1,0 +1,185 @@
+"""File backend promises beyond the contract: safe names, permissions, GC with fence floor,
+day segments, corruption, kernel wakeups, fork."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from test_contract import KEYS
+
+from celery_dlock import BackendError, Holder, Outcome
+from celery_dlock.backends.file import FileBackend, _Inotify, file_name
+from celery_dlock.testing import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def backend(tmp_path: Path, clock: FakeClock) -> FileBackend:
+    return FileBackend(str(tmp_path / "locks"), clock=clock)
+
+
+def test_names_are_safe_unique_and_short() -> None:
+    names = {file_name(key) for key in KEYS}
+    assert len(names) == len(KEYS)
+    for name in names:
+        assert "/" not in name and name not in (".", "..") and not name.startswith(".")
+        assert len(name.encode()) <= 255
+        assert name.isascii()
+
+
+def test_long_names_never_collide_with_short_ones() -> None:
+    long_key = "job:" + "a" * 500
+    assert "~" in file_name(long_key)
+    assert "~" not in file_name("job:~")  # "~" is encoded in short names
+    assert file_name(long_key) != file_name(long_key + "b")
+
+
+def test_directories_are_private_and_files_owner_only(backend: FileBackend, tmp_path: Path) -> None:
+    lease = backend.try_acquire("job:perm", Holder.current(task_name="t"), None)
+    assert lease is not None
+    backend.release(lease, Outcome.SUCCEEDED)
+    root = tmp_path / "locks"
+    for directory in (root, root / "locks", root / "history", root / "success"):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert len(files) == 3  # state, history day, success marker
+    for path in files:
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+
+def test_the_state_file_is_readable_json(backend: FileBackend, tmp_path: Path) -> None:
+    lease = backend.try_acquire("job:inspect", Holder.current(), None)
+    assert lease is not None
+    state = json.loads((tmp_path / "locks" / "locks" / file_name("job:inspect")).read_bytes())
+    assert state["key"] == "job:inspect"
+    assert state["fence"] == lease.fence
+    assert state["lease"]["token"] == lease.token
+    assert state["lease"]["holder"]["pid"] == os.getpid()
+
+
+def test_gc_deletes_long_free_files_and_fences_continue_above(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    for _ in range(3):
+        lease = backend.try_acquire("job:gc", Holder.current(), None)
+        assert lease is not None
+        backend.release(lease, Outcome.SUCCEEDED)
+    last_fence = lease.fence
+    path = tmp_path / "locks" / "locks" / file_name("job:gc")
+    backend.reap()
+    assert path.exists()  # free, but not for long enough
+    clock.advance(backend.gc_after + 1)
+    assert backend.reap() == []
+    assert not path.exists()
+    assert int((tmp_path / "locks" / "fence-floor").read_text()) == last_fence
+    again = backend.try_acquire("job:gc", Holder.current(), None)
+    assert again is not None and again.fence > last_fence
+
+
+def test_gc_keeps_recent_and_held_files(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    held = backend.try_acquire("job:held", Holder.current(), None)
+    assert held is not None
+    clock.advance(backend.gc_after + 1)
+    backend.reap()
+    assert (tmp_path / "locks" / "locks" / file_name("job:held")).exists()
+    current = backend.get("job:held")
+    assert current is not None and current.token == held.token
+
+
+def test_another_client_that_opened_a_collected_file_reopens_it(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    other = FileBackend(str(tmp_path / "locks"), clock=clock)
+    lease = other.try_acquire("job:reopen", Holder.current(), None)
+    assert lease is not None
+    other.release(lease, Outcome.SUCCEEDED)  # `other` keeps the file open in its cache
+    clock.advance(backend.gc_after + 1)
+    backend.reap()
+    again = other.try_acquire("job:reopen", Holder.current(), None)
+    assert again is not None and again.fence > lease.fence
+    assert backend.try_acquire("job:reopen", Holder.current(), None) is None
+
+
+def test_history_is_kept_in_day_files_and_pruned_by_day(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    for _ in range(3):
+        lease = backend.try_acquire("job:days", Holder.current(), None)
+        assert lease is not None
+        backend.release(lease, Outcome.SUCCEEDED)
+        clock.advance(86400)
+    days = sorted(p.name for p in (tmp_path / "locks" / "history").iterdir())
+    assert len(days) == 3 and all(d.endswith(".jsonl") for d in days)
+    newest = backend.history(key="job:days")[0]
+    assert backend.prune_history(newest.released_at) == 2
+    assert backend.history(key="job:days") == [newest]
+
+
+def test_a_corrupt_state_file_is_reported_and_left_alone(
+    backend: FileBackend, tmp_path: Path
+) -> None:
+    path = tmp_path / "locks" / "locks" / file_name("job:corrupt")
+    path.write_bytes(b'{"key": "job:corrupt", "fen')
+    with pytest.raises(BackendError, match="corrupt"):
+        backend.try_acquire("job:corrupt", Holder.current(), None)
+    assert path.read_bytes() == b'{"key": "job:corrupt", "fen'
+
+
+def test_a_holder_on_another_host_is_never_taken_over(backend: FileBackend) -> None:
+    elsewhere = dataclasses.replace(Holder.current(), host="other", host_id="x/pid:[1]", pid=1)
+    lease = backend.try_acquire("job:remote", elsewhere, None)
+    assert lease is not None
+    assert backend.try_acquire("job:remote", Holder.current(), None) is None
+    assert backend.reap() == []
+
+
+def test_a_recycled_pid_is_taken_over_as_disconnected(backend: FileBackend) -> None:
+    me = Holder.current()
+    assert me.started is not None
+    ghost = dataclasses.replace(me, started=me.started - 10)  # our pid, another process
+    old = backend.try_acquire("job:recycled", ghost, None)
+    assert old is not None
+    new = backend.try_acquire("job:recycled", me, None)
+    assert new is not None and new.fence > old.fence
+    [record] = backend.history(key="job:recycled")
+    assert record.outcome is Outcome.DISCONNECTED and record.lease.token == old.token
+
+
+def test_wait_is_a_kernel_wakeup_here(tmp_path: Path) -> None:
+    path = tmp_path / "watched"
+    path.write_text("x")
+    fd = _Inotify.watch(str(path))
+    assert fd is not None, "inotify is not available on this machine"
+    os.close(fd)
+    assert FileBackend.capabilities.push_wait
+
+
+def test_a_forked_child_uses_its_own_files(backend: FileBackend) -> None:
+    held = backend.try_acquire("job:fork", Holder.current(), None)
+    assert held is not None
+    pid = os.fork()
+    if pid == 0:  # child: the parent holds the key; the child must be refused, then work
+        code = 0
+        try:
+            if backend.try_acquire("job:fork", Holder.current(), None) is not None:
+                code = 3
+            elif backend.try_acquire("job:fork-child", Holder.current(), None) is None:
+                code = 4
+        except BaseException:
+            code = 5
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    current = backend.get("job:fork")
+    assert current is not None and current.token == held.token

@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from celery_dlock import (
+    ConfigurationError,
+    Holder,
+    Lease,
+    Lock,
+    LockKeyError,
+    LockLostError,
+    LockNotAcquiredError,
+    LockTimeoutError,
+    Outcome,
+    lock,
+)
+from celery_dlock.backends.file import FileBackend
+from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.records import DETAILS_LIMIT
+
+
+@pytest.fixture(params=["memory", "file"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> MemoryBackend | FileBackend:
+    if request.param == "memory":
+        return MemoryBackend()
+    return FileBackend(str(tmp_path / "locks"))
+
+
+def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.01)
+
+
+class CardDeclined(Exception):
+    pass
+
+
+def test_with_block_records_succeeded(backend: MemoryBackend) -> None:
+    with lock("job:report", backend) as lease:
+        assert backend.get("job:report") == lease
+    assert backend.get("job:report") is None
+    [record] = backend.history(key="job:report")
+    assert record.outcome is Outcome.SUCCEEDED
+    assert record.lease.token == lease.token
+
+
+def test_with_block_records_failed_with_type_message_and_traceback(backend: MemoryBackend) -> None:
+    with pytest.raises(CardDeclined), lock("job:pay", backend):
+        raise CardDeclined("card 4242 declined " + "x" * 20000)
+    [record] = backend.history(key="job:pay")
+    assert record.outcome is Outcome.FAILED
+    assert record.problem == "test_lock.CardDeclined"
+    assert record.details is not None
+    assert record.details.startswith("card 4242 declined")
+    assert "Traceback" in record.details
+    assert len(record.details.encode("utf-8")) <= DETAILS_LIMIT
+    assert backend.get("job:pay") is None
+
+
+def test_busy_key_without_wait_raises_not_acquired_naming_the_holder(
+    backend: MemoryBackend,
+) -> None:
+    holder = Holder.current(task_id="abc", task_name="tasks.charge", worker="w1@h")
+    assert backend.try_acquire("job:busy", holder, None) is not None
+    with pytest.raises(LockNotAcquiredError) as info:
+        Lock(backend, "job:busy").acquire()
+    assert not isinstance(info.value, LockTimeoutError)
+    assert info.value.key == "job:busy"
+    assert info.value.holder is not None and "tasks.charge[abc]" in info.value.holder
+
+
+def test_busy_key_after_waiting_raises_timeout(backend: MemoryBackend) -> None:
+    assert backend.try_acquire("job:slow", Holder.current(), None) is not None
+    with pytest.raises(LockTimeoutError) as info:
+        Lock(backend, "job:slow", wait=0.2).acquire()
+    assert isinstance(info.value, TimeoutError)
+    assert info.value.wait == 0.2
+
+
+def test_waiter_gets_the_key_when_it_is_released(backend: MemoryBackend) -> None:
+    first = Lock(backend, "job:queue")
+    first.acquire()
+    got: list[Lease] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock(backend, "job:queue", wait=None).acquire())
+    )
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # blocked while the key is held
+    first.release()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()
+    assert got and got[0].key == "job:queue"
+    held = backend.get("job:queue")
+    assert held is not None and held.token == got[0].token
+
+
+def test_acquire_wait_argument_overrides_the_lock_default(backend: MemoryBackend) -> None:
+    assert backend.try_acquire("job:override", Holder.current(), None) is not None
+    with pytest.raises(LockTimeoutError):
+        Lock(backend, "job:override", wait=None).acquire(wait=0.05)
+
+
+def test_every_acquisition_gets_a_fresh_holder_nonce(backend: MemoryBackend) -> None:
+    the_lock = Lock(backend, "job:nonce")
+    first = the_lock.acquire()
+    the_lock.release()
+    second = the_lock.acquire()
+    the_lock.release()
+    assert first.holder.nonce != second.holder.nonce
+
+
+def test_lost_lease_makes_the_with_block_raise_lock_lost(backend: MemoryBackend) -> None:
+    with pytest.raises(LockLostError) as info, lock("job:lost", backend) as lease:
+        backend.force_release("job:lost", "operator")
+    assert info.value.key == "job:lost" and info.value.fence == lease.fence
+    assert [r.outcome for r in backend.history(key="job:lost")] == [Outcome.FORCED]
+
+
+def test_body_exception_wins_over_a_lost_lease(backend: MemoryBackend) -> None:
+    with pytest.raises(CardDeclined), lock("job:lost2", backend):
+        backend.force_release("job:lost2", "operator")
+        raise CardDeclined("declined")
+
+
+def test_renew_of_a_lost_lease_raises(backend: MemoryBackend) -> None:
+    the_lock = Lock(backend, "job:renew", ttl=60)
+    the_lock.acquire()
+    assert the_lock.renew().token == the_lock.lease.token  # type: ignore[union-attr]
+    backend.force_release("job:renew", "operator")
+    with pytest.raises(LockLostError):
+        the_lock.renew()
+    the_lock.release()
+
+
+def test_background_renewal_keeps_a_short_lease_alive() -> None:
+    backend = MemoryBackend()
+    the_lock = Lock(backend, "job:long", ttl=0.3)
+    first = the_lock.acquire()
+    until(
+        lambda: (
+            (current := backend.get("job:long")) is not None
+            and current.expires_at is not None
+            and first.expires_at is not None
+            and current.expires_at > first.expires_at + 0.5
+        ),
+        "several renewals",
+    )
+    assert time.time() > first.expires_at  # type: ignore[operator]  # past the first expiry
+    held = backend.get("job:long")
+    assert held is not None and held.token == first.token
+    record = the_lock.release()
+    assert record is not None and record.outcome is Outcome.SUCCEEDED
+    assert not the_lock.lost
+
+
+def test_background_renewal_reports_a_lost_lease() -> None:
+    backend = MemoryBackend()
+    lost: list[Lease] = []
+    the_lock = Lock(backend, "job:gone", ttl=0.3, on_lost=lost.append)
+    lease = the_lock.acquire()
+    backend.force_release("job:gone", "operator")
+    until(lambda: the_lock.lost, "loss noticed")
+    assert [item.token for item in lost] == [lease.token]
+    assert the_lock.release() is None
+
+
+def test_no_renewal_thread_without_ttl(backend: MemoryBackend) -> None:
+    before = threading.active_count()
+    with lock("job:nothread", backend):
+        assert threading.active_count() == before
+
+
+def test_misuse_is_refused(backend: MemoryBackend) -> None:
+    the_lock = Lock(backend, "job:misuse")
+    with pytest.raises(ConfigurationError, match="not held"):
+        the_lock.release()
+    the_lock.acquire()
+    with pytest.raises(ConfigurationError, match="already held"):
+        the_lock.acquire()
+    the_lock.release()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ttl": 0}, "ttl"),
+        ({"ttl": -5}, "ttl"),
+        ({"ttl": "60"}, "ttl"),
+        ({"wait": -1}, "wait"),
+        ({"wait": True}, "wait"),
+    ],
+)
+def test_bad_ttl_or_wait_is_refused(
+    backend: MemoryBackend, kwargs: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Lock(backend, "job:bad", **kwargs)  # type: ignore[arg-type]
+
+
+def test_bad_key_is_refused(backend: MemoryBackend) -> None:
+    with pytest.raises(LockKeyError):
+        Lock(backend, "")
+    with pytest.raises(LockKeyError):
+        Lock(backend, "job:\n")
+
+
+def test_a_url_backend_is_made_once_per_process(tmp_path: Path) -> None:
+    url = f"file://{tmp_path}/shared"
+    first, second = Lock(url, "job:a"), Lock(url, "job:b")
+    assert first.backend is second.backend
+    with first:
+        assert second.backend.get("job:a") is not None

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from celery_dlock.records import (
+    DETAILS_LIMIT,
+    Holder,
+    Lease,
+    Outcome,
+    Record,
+    describe_exception,
+    truncate_utf8,
+)
+
+
+class PaymentDeclined(Exception):
+    pass
+
+
+def test_describe_exception_names_the_type_and_keeps_message_and_traceback() -> None:
+    try:
+        raise PaymentDeclined("card 4242 declined")
+    except PaymentDeclined as exc:
+        problem, details = describe_exception(exc)
+    assert problem == "test_records.PaymentDeclined"
+    assert details.startswith("card 4242 declined\n")
+    assert "Traceback (most recent call last)" in details
+    assert "raise PaymentDeclined" in details
+
+
+def test_builtin_exception_type_has_no_module_prefix() -> None:
+    assert describe_exception(ValueError("x"))[0] == "ValueError"
+
+
+def test_details_are_bounded_to_8_kib_keeping_head_and_tail() -> None:
+    message = "HEAD " + "é" * 20000 + " TAIL"
+    _, details = describe_exception(RuntimeError(message))
+    assert len(details.encode("utf-8")) <= DETAILS_LIMIT
+    assert details.startswith("HEAD ")
+    assert details.rstrip().endswith("TAIL")
+    assert "[... truncated ...]" in details
+
+
+@pytest.mark.parametrize("size", [0, 1, 100, DETAILS_LIMIT - 1, DETAILS_LIMIT])
+def test_short_text_is_not_truncated(size: int) -> None:
+    assert truncate_utf8("a" * size) == "a" * size
+
+
+def test_truncation_never_splits_a_character() -> None:
+    text = "😀" * 5000
+    cut = truncate_utf8(text, 1001)
+    assert len(cut.encode("utf-8")) <= 1001
+    cut.encode("utf-8")  # would raise on a lone surrogate
+
+
+def test_holder_of_this_process_is_alive() -> None:
+    me = Holder.current(task_id="t1", task_name="tasks.x", worker="w1@host")
+    assert me.pid == os.getpid()
+    assert me.started is not None and me.host_id
+    assert not me.is_gone()
+    assert "tasks.x[t1] on w1@host" in me.describe()
+
+
+def test_nonce_is_new_for_every_holder() -> None:
+    assert Holder.current().nonce != Holder.current().nonce
+
+
+def test_holder_of_a_finished_process_is_gone() -> None:
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json,celery_dlock.records as r;print(json.dumps(r.Holder.current().to_dict()))",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    out, _ = child.communicate()
+    import json
+
+    holder = Holder.from_dict(json.loads(out))
+    assert holder.pid == child.pid
+    assert holder.is_gone()
+
+
+def test_recycled_pid_is_gone_and_other_hosts_are_never_judged() -> None:
+    me = Holder.current()
+    assert me.started is not None
+    recycled = dataclasses.replace(me, started=me.started - 1.0)
+    assert recycled.is_gone()
+    elsewhere = dataclasses.replace(me, host_id="other-boot/pid:[1]", started=0.0)
+    assert not elsewhere.is_gone()
+    unknown = dataclasses.replace(me, host_id="")
+    assert not unknown.is_gone()
+
+
+def test_lease_and_record_round_trip_through_dicts() -> None:
+    lease = Lease("job:k", "t" * 32, 7, Holder.current(task_name="tasks.x"), 1.5, 9.25, "gen-3")
+    assert Lease.from_dict(lease.to_dict()) == lease
+    assert Lease.from_dict(lease.to_dict()).version == "gen-3"
+    record = Record(lease, 2.5, Outcome.FAILED, "ValueError", "bad", {"a": [1, None]})
+    assert Record.from_dict(record.to_dict()) == record
+    assert str(Outcome.DISCONNECTED) == "disconnected"
