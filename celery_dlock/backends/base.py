@@ -83,15 +83,22 @@ class LockBackend(ABC):
         """Build the backend for ``url``; ``options`` override the URL's query options."""
 
     @abstractmethod
-    def try_acquire(self, key: str, holder: Holder, ttl: float | None) -> Lease | None:
+    def try_acquire(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+    ) -> Lease | None:
         """One attempt to take ``key``; never waits.
 
         If the current holder is provably gone (by the store's liveness rule) the key is
         taken over and the old lease recorded as ``disconnected`` or ``expired`` in the same
         atomic step.
 
+        Args:
+            replace: the token of a lease to take over although it is alive: a Celery retry
+                continuing its own earlier attempt. That lease is recorded as ``retried``
+                in the same atomic step; the new lease has a new token and fence.
+
         Returns:
-            the new lease, or None if the key is held.
+            the new lease, or None if the key is held (by anyone but ``replace``).
         """
 
     @abstractmethod
@@ -109,6 +116,11 @@ class LockBackend(ABC):
             the record written, or None when the lease was no longer ours (the caller then
             reports it as ``lost``).
         """
+
+    @abstractmethod
+    def add_record(self, record: Record) -> None:
+        """Append a record that ends no lease of this store: an attempt that was skipped
+        because the key was held, or replayed for ``once``. Its lease has fence 0."""
 
     @abstractmethod
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
@@ -219,6 +231,12 @@ class ProcessLocal(Generic[T]):
 def expired(lease: Lease, now: float) -> bool:
     """Whether ``lease`` has run past its expiry at time ``now``."""
     return lease.expires_at is not None and lease.expires_at <= now
+
+
+def retried(lease: Lease, successor: Holder, now: float) -> Record:
+    """The record of ``lease`` taken over by ``successor``, the retry of its own task."""
+    details = f"continued by its retry: {successor.describe()}"
+    return Record(lease, now, Outcome.RETRIED, None, details)
 
 
 def expiry(now: float, ttl: float | None) -> float | None:

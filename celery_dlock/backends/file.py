@@ -61,6 +61,7 @@ from celery_dlock.backends.base import (
     expired,
     expiry,
     flag,
+    retried,
     url_options,
     validate_ttl,
     wall_clock,
@@ -257,16 +258,21 @@ class FileBackend(LockBackend):
 
     # -- the contract ----------------------------------------------------------------
 
-    def try_acquire(self, key: str, holder: Holder, ttl: float | None) -> Lease | None:
+    def try_acquire(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+    ) -> Lease | None:
         ttl = validate_ttl(ttl)
         with self._locked(key) as state:
             now = self._clock()
             current = state.lease
             if current is not None:
-                ended = _ended(current, now)
+                if replace is not None and current.token == replace:
+                    ended: Record | None = retried(current, holder, now)
+                else:
+                    ended = _ended(current, now)
                 if ended is None:
                     return None
-                self._append(ended)
+                self._append(ended, state.lease_json)
             lease = Lease(key, new_token(), state.fence + 1, holder, now, expiry(now, ttl))
             state.write(lease.fence, lease)
             return lease
@@ -292,6 +298,9 @@ class FileBackend(LockBackend):
             self._append(record, state.lease_json)
             state.write(state.fence, None)
             return record
+
+    def add_record(self, record: Record) -> None:
+        self._append(record)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)

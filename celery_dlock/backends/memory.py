@@ -29,6 +29,7 @@ from celery_dlock.backends.base import (
     LockBackend,
     expired,
     expiry,
+    retried,
     url_options,
     validate_ttl,
     wall_clock,
@@ -74,15 +75,20 @@ class MemoryBackend(LockBackend):
                 backend.url = url
             return backend
 
-    def try_acquire(self, key: str, holder: Holder, ttl: float | None) -> Lease | None:
+    def try_acquire(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+    ) -> Lease | None:
         ttl = validate_ttl(ttl)
         with self._changed:
             now = self._clock()
             current = self._leases.get(key)
             if current is not None:
-                if not expired(current, now):
+                if replace is not None and current.token == replace:
+                    self._append(retried(current, holder, now))
+                elif expired(current, now):
+                    self._append(Record(current, now, Outcome.EXPIRED, "expired"))
+                else:
                     return None
-                self._append(Record(current, now, Outcome.EXPIRED, "expired"))
             fence = self._fences.get(key, 0) + 1
             self._fences[key] = fence
             lease = Lease(key, new_token(), fence, holder, now, expiry(now, ttl))
@@ -106,6 +112,10 @@ class MemoryBackend(LockBackend):
             del self._leases[lease.key]
             self._changed.notify_all()
             return record
+
+    def add_record(self, record: Record) -> None:
+        with self._changed:
+            self._append(record)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)

@@ -20,7 +20,7 @@ from typing import TypeVar
 import pytest
 from storecase import StoreCase
 
-from celery_dlock import Holder, Lease, Lock, Outcome
+from celery_dlock import Holder, Lease, Lock, Outcome, Record
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError
 
@@ -182,6 +182,58 @@ def test_release_twice_records_once(backend: LockBackend) -> None:
     assert backend.release(lease, Outcome.SUCCEEDED) is None
     tokens = [r.lease.token for r in backend.history(key="job:twice")]
     assert tokens == [lease.token]
+
+
+# -- a retry continues its own attempt; skipped attempts are recorded ---------------------
+
+
+def test_replace_takes_over_the_named_live_lease_and_records_it_retried(store: StoreCase) -> None:
+    backend = store.backend
+    first = backend.try_acquire("job:retry", holder("tasks.charge"), None)
+    assert first is not None
+    successor = holder("tasks.charge")
+    assert backend.try_acquire("job:retry", successor, None) is None
+    second = store.second().try_acquire("job:retry", successor, None, replace=first.token)
+    assert second is not None
+    assert second.token != first.token and second.fence > first.fence
+    assert second.holder == successor
+    held = backend.get("job:retry")
+    assert held is not None and held.token == second.token
+    [record] = backend.history(key="job:retry")
+    assert record.outcome is Outcome.RETRIED and record.lease.token == first.token
+    assert backend.release(first, Outcome.SUCCEEDED) is None  # the old attempt is over
+    assert backend.release(second, Outcome.SUCCEEDED) is not None
+
+
+def test_replace_with_a_token_that_is_not_current_is_refused(backend: LockBackend) -> None:
+    current = backend.try_acquire("job:retry2", holder(), None)
+    assert current is not None
+    assert backend.try_acquire("job:retry2", holder(), None, replace="0" * 32) is None
+    held = backend.get("job:retry2")
+    assert held is not None and held.token == current.token
+    backend.release(current, Outcome.SUCCEEDED)
+    # On a free key replace does not matter: the key is simply taken.
+    assert backend.try_acquire("job:retry2", holder(), None, replace=current.token) is not None
+
+
+def test_add_record_keeps_a_skipped_attempt_in_history(backend: LockBackend) -> None:
+    blocker = backend.try_acquire("job:skip", holder(), None)
+    assert blocker is not None
+    skipped_by = holder("tasks.charge")
+    now = time.time()
+    record = Record(
+        Lease("job:skip", "f" * 32, 0, skipped_by, now),
+        now,
+        Outcome.SKIPPED,
+        "locked",
+        f"held by {blocker.holder.describe()} (fence {blocker.fence})",
+    )
+    backend.add_record(record)
+    assert backend.history(key="job:skip") == [record]
+    assert backend.history(outcome=Outcome.SKIPPED) == [record]
+    held = backend.get("job:skip")
+    assert held is not None and held.token == blocker.token
+    assert backend.last_success("job:skip", "tasks.charge") is None
 
 
 # -- expiry and renewal -----------------------------------------------------------------
