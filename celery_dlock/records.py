@@ -62,19 +62,25 @@ def _ticks_per_second() -> int:
 
 def process_start(pid: int) -> float | None:
     """The start time of process ``pid`` in seconds since boot, or None if there is no such
-    process (or no ``/proc``).
+    live process (none at all, a zombie, or no ``/proc``).
 
     Seconds since boot, not since the epoch: ``/proc/stat``'s boot time moves when the wall
     clock is stepped, which would make a live process look like a recycled pid.
     """
+    state = _process_state(pid)
+    return None if state is None or state[0] in "ZX" else state[1]
+
+
+def _process_state(pid: int) -> tuple[str, float] | None:
+    """``(state letter, start in seconds since boot)`` of ``pid`` from ``/proc``, or None."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    # Field 22 counts from the end of the command name, which may itself hold spaces or ')'.
+    # Fields count from the end of the command name, which may itself hold spaces or ')'.
     fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19]) / _ticks_per_second()
+    return fields[0].decode(), int(fields[19]) / _ticks_per_second()
 
 
 @lru_cache(maxsize=1)
@@ -138,9 +144,12 @@ class Holder:
         """
         if not self.host_id or self.host_id != _host_id():
             return False
-        started = process_start(self.pid)
-        if started is None:
+        state = _process_state(self.pid)
+        if state is None:
             return not _pid_exists(self.pid)
+        letter, started = state
+        if letter in "ZX":  # dead, only waiting for its parent to collect it
+            return True
         return self.started is not None and started != self.started
 
     def describe(self) -> str:

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,8 +83,6 @@ def test_holder_of_a_finished_process_is_gone() -> None:
         text=True,
     )
     out, _ = child.communicate()
-    import json
-
     holder = Holder.from_dict(json.loads(out))
     assert holder.pid == child.pid
     assert holder.is_gone()
@@ -106,3 +106,28 @@ def test_lease_and_record_round_trip_through_dicts() -> None:
     record = Record(lease, 2.5, Outcome.FAILED, "ValueError", "bad", {"a": [1, None]})
     assert Record.from_dict(record.to_dict()) == record
     assert str(Outcome.DISCONNECTED) == "disconnected"
+
+
+def test_a_zombie_holder_is_gone() -> None:
+    # A child that exited but is not yet collected by its parent (us) is a zombie.
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import json,celery_dlock.records as r;"
+            "print(json.dumps(r.Holder.current().to_dict()), flush=True)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    holder = Holder.from_dict(json.loads(child.stdout.readline()))
+    deadline = time.monotonic() + 10
+    while True:  # wait for the exit without collecting the child
+        with open(f"/proc/{child.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        assert time.monotonic() < deadline
+    assert holder.is_gone()
+    child.wait()
+    child.stdout.close()
