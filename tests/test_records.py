@@ -1,8 +1,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
+import os
 import subprocess
 import sys
 import time
