@@ -13,6 +13,8 @@ The public API, and nothing else (a test checks ``__all__`` against this module)
 
 from __future__ import annotations
 
+import importlib
+
 from celery_dlock.backends import backend_from_url, mask_url
 from celery_dlock.backends.base import Capabilities, LockBackend
 from celery_dlock.errors import (
@@ -32,6 +34,23 @@ from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __version__ = "0.1.0"
 
+#: Names that need Celery, imported on first use so that ``import celery_dlock`` does not.
+_CELERY_NAMES = {"LockedTask": "celery_dlock.task", "install": "celery_dlock.app"}
+
+
+def __getattr__(name: str) -> object:
+    module = _CELERY_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_dlock' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_CELERY_NAMES))
+
+
 __all__ = [
     "BackendError",
     "Capabilities",
@@ -46,12 +65,14 @@ __all__ = [
     "LockLostError",
     "LockNotAcquiredError",
     "LockTimeoutError",
+    "LockedTask",
     "MissingDependencyError",
     "Outcome",
     "Record",
     "UnknownBackendError",
     "__version__",
     "backend_from_url",
+    "install",
     "lock",
     "mask_url",
     "validate_key",

@@ -78,7 +78,8 @@ class LockLostError(DLockError):
         reason: what was being done when the loss was seen (``renew``, ``release``...).
     """
 
-    def __init__(self, key: str, fence: int, reason: str = "") -> None:
+    def __init__(self, key: str = "", fence: int = -1, reason: str = "") -> None:
+        # Defaults: raised by class alone when injected into a running task's thread.
         super().__init__(key, fence, reason)
         self.key = key
         self.fence = fence

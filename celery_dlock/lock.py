@@ -58,6 +58,13 @@ def shared_backend(url: str) -> LockBackend:
     return backend
 
 
+def forget_shared_backends() -> None:
+    """Drop the shared backends without closing them: a forked child calls this so it makes
+    its own, while the parent's stay open for the parent."""
+    with _shared_mutex:
+        _shared.clear()
+
+
 def _validate_wait(wait: float | None) -> float | None:
     if wait is None:
         return None
@@ -119,8 +126,16 @@ class Lock:
         """True once background renewal found the lease gone."""
         return self._renewer is not None and self._renewer.lost.is_set()
 
-    def acquire(self, wait: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
+    def acquire(
+        self,
+        wait: float | Literal[_Default.DEFAULT] | None = DEFAULT,
+        *,
+        replace: str | None = None,
+    ) -> Lease:
         """Take the key, waiting up to ``wait`` seconds (default: the lock's ``wait``).
+
+        ``replace`` names the token of a live lease this acquisition may take over: the
+        lease a Celery task kept for its own retry (see ``LockBackend.try_acquire``).
 
         Raises:
             LockNotAcquiredError: the key is held and ``wait`` is 0.
@@ -133,7 +148,7 @@ class Lock:
         deadline = None if limit is None else time.monotonic() + limit
         holder = self.holder or Holder.current()
         while True:
-            lease = self.backend.try_acquire(self.key, holder, self.ttl)
+            lease = self.backend.try_acquire(self.key, holder, self.ttl, replace)
             if lease is not None:
                 self._held(lease)
                 return lease
@@ -183,12 +198,7 @@ class Lock:
         Returns:
             the record, or None if the lease had been lost (logged as ``lost``).
         """
-        lease = self._require_lease()
-        if self._renewer is not None:
-            self._renewer.stop()
-            lease = self._renewer.lease
-            self._renewer = None
-        self._lease = None
+        lease = self.detach()
         record = self.backend.release(lease, outcome, problem, details, result)
         if record is None:
             logger.error(
@@ -199,6 +209,20 @@ class Lock:
                 Outcome.LOST,
             )
         return record
+
+    def detach(self) -> Lease:
+        """Stop renewing and forget the lease without releasing it; returns it.
+
+        For a lease that outlives this object: a Celery task keeps its lease for its retry,
+        which takes it over with ``acquire(replace=lease.token)``.
+        """
+        lease = self._require_lease()
+        if self._renewer is not None:
+            self._renewer.stop()
+            lease = self._renewer.lease
+            self._renewer = None
+        self._lease = None
+        return lease
 
     def _require_lease(self) -> Lease:
         lease = self.lease

@@ -5,3 +5,13 @@ from pathlib import Path
 
 # Helpers in tests/ (dlock_support) import as top-level modules from any test directory.
 sys.path.insert(0, str(Path(__file__).parent))
+
+try:
+    import celery  # noqa: F401
+except ImportError:  # the Celery tests then skip; the core tests still run
+    pytest_plugins: tuple[str, ...] = ()
+else:
+    # Celery's classic fixtures (celery_app, celery_worker, celery_session_worker...).
+    # pytest-celery 1.x, if installed, shadows celery_worker with a Docker worker: pyproject
+    # disables it (-p no:celery) and tests/celery/conftest.py re-exports the classic one.
+    pytest_plugins = ("celery.contrib.pytest",)

@@ -1,0 +1,122 @@
+"""``install(app)`` and the ``app.conf.dlock_*`` settings it reads.
+
+Settings (Celery style, all optional)::
+
+    dlock_backend            URL of the lock store           default: a local file store
+    dlock_namespace          key prefix                      "job"   (job:order:42)
+    dlock_ttl                seconds a lease lives unrenewed None    (liveness only)
+    dlock_janitor_interval   seconds between janitor runs    30.0
+    dlock_history_retention  seconds of history kept         30 days (None: forever)
+    dlock_on_backend_error   "retry" (fail closed) or "run"  "retry"
+
+Settings are read when used, not when installed, so the order of ``install(app)`` and
+``app.config_from_object(...)`` does not matter.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from celery_dlock.backends import mask_url
+from celery_dlock.backends.base import LockBackend, validate_ttl
+from celery_dlock.errors import ConfigurationError
+from celery_dlock.lock import shared_backend
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ["Settings", "backend_for", "install", "settings"]
+
+logger = logging.getLogger("celery_dlock")
+
+_DAY = 86400.0
+_warned_default = threading.Event()
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """The ``dlock_*`` settings of one app, validated."""
+
+    backend: str
+    namespace: str
+    ttl: float | None
+    janitor_interval: float
+    history_retention: float | None
+    on_backend_error: Literal["retry", "run"]
+
+
+def default_backend_url() -> str:
+    """The local file store used when ``dlock_backend`` is not set."""
+    return f"file://{tempfile.gettempdir()}/celery-dlock-{os.getuid()}"
+
+
+def settings(app: Celery) -> Settings:
+    """The app's ``dlock_*`` settings, with defaults.
+
+    Raises:
+        ConfigurationError: a setting has a bad value; the message names it.
+    """
+    conf = app.conf
+    url = conf.get("dlock_backend")
+    if url is None:
+        url = default_backend_url()
+        if not _warned_default.is_set():
+            _warned_default.set()
+            logger.warning(
+                "dlock_backend is not set: locks live in the local file store %s, which "
+                "only processes on this host share; set app.conf.dlock_backend for more",
+                url,
+            )
+    elif not isinstance(url, str):
+        raise ConfigurationError(f"dlock_backend must be a URL string, not {url!r}")
+    namespace = conf.get("dlock_namespace", "job")
+    if not isinstance(namespace, str):
+        raise ConfigurationError(f"dlock_namespace must be a string, not {namespace!r}")
+    try:
+        ttl = validate_ttl(conf.get("dlock_ttl"))
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"dlock_ttl: {exc}") from None
+    interval = _seconds(conf.get("dlock_janitor_interval", 30.0), "dlock_janitor_interval")
+    retention_value = conf.get("dlock_history_retention", 30 * _DAY)
+    retention = (
+        None if retention_value is None else _seconds(retention_value, "dlock_history_retention")
+    )
+    on_error = conf.get("dlock_on_backend_error", "retry")
+    if on_error not in ("retry", "run"):
+        raise ConfigurationError(
+            f"dlock_on_backend_error must be 'retry' (fail closed) or 'run', not {on_error!r}"
+        )
+    return Settings(url, namespace, ttl, interval, retention, on_error)
+
+
+def _seconds(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+def backend_for(app: Celery) -> LockBackend:
+    """The lock store of ``app`` in this process (one per URL per process)."""
+    return shared_backend(settings(app).backend)
+
+
+def install(app: Celery, *, janitor: bool = True) -> None:
+    """Connect celery-dlock to ``app``: the worker signal handlers and, unless ``janitor``
+    is False, the janitor task with its beat entry every ``dlock_janitor_interval``.
+
+    Safe to call more than once, before or after the app is configured.
+    """
+    from celery_dlock import janitor as janitor_module
+    from celery_dlock import signals
+
+    signals.connect()
+    if janitor:
+        janitor_module.register(app)
+    logger.debug(
+        "celery_dlock installed on %s [%s]", app.main, mask_url(str(app.conf.get("dlock_backend")))
+    )

@@ -1,0 +1,180 @@
+"""Worker lifecycle handlers: per-child setup, a child that died, revoke, shutdown.
+
+Facts from Celery 5.7 (shared/notes/celery-5.7-facts.md §2, §4) these rest on:
+
+- A SIGKILLed pool child runs no code; only the parent gets ``task_failure`` with
+  ``WorkerLostError`` (a hard time limit gives ``TimeLimitExceeded``, fired twice), with the
+  task's args and kwargs. The parent renders the key, finds the lease whose holder has that
+  task id and is provably gone, and releases it by that lease's token as ``disconnected``.
+- ``revoke(terminate=True)`` fires ``task_revoked`` in the parent right after it signals the
+  child, which may still be dying: the release then waits (off the worker's main thread)
+  until the holder is gone, a few seconds at most, before it gives up to the janitor.
+- Handlers tolerate firing twice: a release by a stale token changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery import signals as celery_signals
+
+from celery_dlock.errors import DLockError
+from celery_dlock.records import Outcome, Record
+
+__all__ = ["connect", "release_dead_attempt"]
+
+logger = logging.getLogger("celery_dlock.signals")
+
+#: How long the parent waits for a signalled child to die before leaving it to the janitor.
+DEATH_WAIT = 10.0
+
+_connected = threading.Event()
+_connect_mutex = threading.Lock()
+
+
+def connect() -> None:
+    """Connect the handlers once per process (idempotent)."""
+    if _connected.is_set():
+        return
+    with _connect_mutex:
+        if _connected.is_set():
+            return
+        celery_signals.worker_process_init.connect(_child_started, weak=False)
+        celery_signals.task_failure.connect(_task_failed, weak=False)
+        celery_signals.task_revoked.connect(_task_revoked, weak=False)
+        celery_signals.worker_process_shutdown.connect(_shutting_down, weak=False)
+        celery_signals.worker_shutdown.connect(_shutting_down, weak=False)
+        _connected.set()
+
+
+def _child_started(**_: Any) -> None:
+    """A new pool child: drop the backends inherited from the parent so the child makes
+    its own clients (the parent's copies stay open, and in use, in the parent)."""
+    from celery_dlock.lock import forget_shared_backends
+
+    forget_shared_backends()
+
+
+def _task_failed(
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Any = None,
+    kwargs: Any = None,
+    **_: Any,
+) -> None:
+    from billiard.exceptions import WorkerLostError
+    from celery.exceptions import TimeLimitExceeded
+
+    if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+        return
+    _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
+
+
+def _task_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    signum: Any = None,
+    **_: Any,
+) -> None:
+    if not terminated or request is None:
+        return
+    reason = f"revoked and terminated with signal {signum}"
+    _release_later(
+        sender, request.id, request.args, request.kwargs, Outcome.REVOKED, RuntimeError(reason)
+    )
+
+
+def _release_later(  # noqa: PLR0917 - the signal's own fields, passed on
+    task: Any,
+    task_id: str | None,
+    args: Any,
+    kwargs: Any,
+    outcome: Outcome,
+    cause: BaseException,
+) -> None:
+    from celery_dlock.task import LockedTask
+
+    if not isinstance(task, LockedTask) or task_id is None:
+        return
+    # Release now when the holder is already gone (WorkerLostError: the child is dead),
+    # otherwise from a thread, so the worker's event loop never waits on a dying child.
+    attempt = {"args": args, "kwargs": kwargs, "outcome": outcome, "cause": cause}
+    if release_dead_attempt(task, task_id, wait=0.0, **attempt) is _WAITING:
+        threading.Thread(
+            target=release_dead_attempt,
+            args=(task, task_id),
+            kwargs={"wait": DEATH_WAIT, **attempt},
+            name=f"dlock-release:{task_id}",
+            daemon=True,
+        ).start()
+
+
+_WAITING = object()
+
+
+def release_dead_attempt(
+    task: Any,
+    task_id: str,
+    *,
+    args: Any,
+    kwargs: Any,
+    outcome: Outcome,
+    cause: BaseException,
+    wait: float,
+) -> Record | object | None:
+    """Release the lease of ``task_id``'s attempt if its holder is gone (waiting up to
+    ``wait`` seconds for it to go). Returns the record, None, or ``_WAITING`` when the holder
+    is still alive and ``wait`` is 0."""
+    from celery_dlock.app import backend_for
+
+    try:
+        key = task.lock_key_for(tuple(args or ()), dict(kwargs or {}))
+        backend = backend_for(task.app)
+        lease = backend.get(key)
+    except DLockError as exc:
+        logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc)
+        return None
+    if lease is None or lease.holder.task_id != task_id:
+        return None  # released already, or another attempt's
+    deadline = time.monotonic() + wait
+    while not lease.holder.is_gone():
+        if wait == 0:
+            return _WAITING
+        if time.monotonic() > deadline:
+            logger.warning(
+                "holder of %s (%s) still alive %.0f s after %s; leaving it to the janitor",
+                key,
+                lease.holder.describe(),
+                wait,
+                type(cause).__name__,
+            )
+            return None
+        time.sleep(0.05)
+    details = f"{type(cause).__name__}: {cause}; holder {lease.holder.describe()} is gone"
+    try:
+        record = backend.release(lease, outcome, type(cause).__name__, details)
+    except DLockError as exc:
+        logger.error("cannot release %s of dead %s[%s]: %s", key, task.name, task_id, exc)
+        return None
+    if record is not None:
+        logger.warning("released %s of dead %s[%s] as %s", key, task.name, task_id, outcome)
+    return record
+
+
+def _shutting_down(**_: Any) -> None:
+    """Warm shutdown: release what this process still holds (leases kept for a retry, or
+    a task cut short), each by its own token."""
+    from celery_dlock.task import ACTIVE
+
+    for backend, lease, kept in ACTIVE.drain():
+        outcome = Outcome.RETRIED if kept else Outcome.REVOKED
+        details = "worker shutdown" + (" (lease kept for a retry)" if kept else "")
+        try:
+            backend.release(lease, outcome, "WorkerShutdown", details)
+        except DLockError as exc:
+            logger.error("cannot release %s at shutdown: %s", lease.key, exc)

@@ -1,0 +1,445 @@
+"""``LockedTask``: the Celery base class that takes a per-resource lock around the body.
+
+::
+
+    @app.task(base=LockedTask, lock_key="order:{order_id}", once=True)
+    def charge(order_id, amount): ...
+
+The lock is taken in the worker process that runs the body (``__call__``, after Celery has
+pushed the request), and released in the same process on every exit, recorded with the
+outcome. Options (task attributes, set through ``@app.task(...)``):
+
+``lock_key``            template (``"order:{order_id}"`` / ``"order:<order_id>"``) or callable
+``lock_ttl``            seconds a lease lives unrenewed (default ``dlock_ttl``); renewed every
+                        ttl/3 while the body runs
+``lock_wait``           seconds to wait for a busy key before ``on_locked`` applies (default 0)
+``on_locked``           ``"retry"`` (default: re-queue with jittered backoff, not counted in
+                        ``max_retries``), ``"skip"`` (finish with result None, record
+                        ``skipped``), ``"fail"`` (raise ``LockNotAcquiredError``), or a callable
+                        ``(task, key, lease) -> result``
+``once``                after one success on a key, later runs return the stored result
+``lock_across_retries`` ``self.retry()`` keeps the lock for the next attempt (default True)
+``on_lock_lost``        ``"log"`` (default) or ``"raise"`` (LockLostError in the body), or a
+                        callable ``(task, lease)``
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import logging
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from celery import Task
+from celery._state import _task_stack
+from celery.exceptions import Ignore, Reject, Retry, TaskRevokedError
+
+from celery_dlock.app import backend_for, settings
+from celery_dlock.backends.base import LockBackend, validate_ttl
+from celery_dlock.errors import (
+    BackendError,
+    ConfigurationError,
+    LockKeyError,
+    LockLostError,
+    LockNotAcquiredError,
+)
+from celery_dlock.keys import KeyTemplate
+from celery_dlock.lock import DEFAULT, Lock
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception, new_token
+
+__all__ = ["LockedTask"]
+
+logger = logging.getLogger("celery_dlock.task")
+
+#: Message header carrying the token of the lease a retry continues.
+RETRY_HEADER = "dlock_lease"
+#: Message header counting re-queues for a busy key (not Celery's own ``retries``).
+BUSY_HEADER = "dlock_busy"
+#: A lease kept for a retry also gets this long, past the retry's countdown, before it
+#: expires by itself if the retry never comes.
+RETRY_GRACE = 300.0
+
+_ON_LOCKED = ("retry", "skip", "fail")
+_ON_LOST = ("log", "raise")
+
+
+class _Active:
+    """Leases this process holds or keeps for a retry, released at worker shutdown."""
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self._mutex = threading.Lock()
+        self._leases: OrderedDict[str, tuple[LockBackend, Lease, bool]] = OrderedDict()
+
+    def add(self, backend: LockBackend, lease: Lease, kept: bool = False) -> None:
+        with self._mutex:
+            self._leases[lease.token] = (backend, lease, kept)
+            while len(self._leases) > self.limit:
+                self._leases.popitem(last=False)
+
+    def discard(self, lease: Lease) -> None:
+        with self._mutex:
+            self._leases.pop(lease.token, None)
+
+    def drain(self) -> list[tuple[LockBackend, Lease, bool]]:
+        with self._mutex:
+            items = list(self._leases.values())
+            self._leases.clear()
+            return items
+
+
+ACTIVE = _Active()
+
+
+class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
+    """A Celery task that holds a lock on its key while its body runs."""
+
+    abstract = True
+    lock_key: ClassVar[str | Callable[..., Any] | None] = None
+    lock_ttl: ClassVar[Any] = DEFAULT
+    lock_wait: ClassVar[float | None] = 0.0
+    on_locked: ClassVar[Any] = "retry"
+    once: ClassVar[bool] = False
+    lock_across_retries: ClassVar[bool] = True
+    on_lock_lost: ClassVar[Any] = "log"
+    #: First re-queue delay for a busy key (seconds); doubles up to ``lock_retry_backoff_max``.
+    lock_retry_backoff: ClassVar[float] = 1.0
+    lock_retry_backoff_max: ClassVar[float] = 60.0
+    #: Re-queues for a busy key before giving up with LockNotAcquiredError; None: no limit.
+    lock_retry_max: ClassVar[int | None] = None
+    throws = (LockNotAcquiredError,)
+
+    _dlock_template: ClassVar[KeyTemplate | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        from celery_dlock import signals
+
+        signals.connect()
+        run = cls.__dict__.get("run")
+        if run is None:  # an abstract base of the user's own, without a body yet
+            return
+        name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
+        if cls.lock_key is None:
+            raise LockKeyError(f"task {name} has base=LockedTask but no lock_key")
+        func = run.__func__ if isinstance(run, staticmethod) else functools.partial(run, None)
+        cls._dlock_template = KeyTemplate(cls.lock_key, func, namespace="", owner=name)
+        _check_options(cls, name)
+
+    # -- what the body sees --------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease held for the running request (key, token, fence), or None."""
+        lock: Lock | None = getattr(self.request, "dlock_lock", None)
+        return None if lock is None else lock.lease
+
+    def lock_key_for(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str:
+        """The full key this task locks for these arguments (``job:order:42``)."""
+        template = self._dlock_template
+        if template is None:
+            raise LockKeyError(f"task {self.name} has no lock_key")
+        namespace = settings(self.app).namespace
+        body = template.render(tuple(args or ()), kwargs or {})
+        return f"{namespace}:{body}" if namespace else body
+
+    # -- running -------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The worker's tracer pushed the real request before calling us; a direct call
+        # did not, and gets the same minimal request Task.__call__ would give it.
+        direct = self.request.called_directly
+        if direct:
+            _task_stack.push(self)
+            self.push_request(args=args, kwargs=kwargs)
+        try:
+            return self._run_locked(args, kwargs)
+        finally:
+            if direct:
+                self.pop_request()
+                _task_stack.pop()
+
+    def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        request = self.request
+        current = settings(self.app)
+        key = self.lock_key_for(args, kwargs)
+        ttl = current.ttl if self.lock_ttl is DEFAULT else validate_ttl(self.lock_ttl)
+        holder = Holder.current(
+            worker=getattr(request, "hostname", None),
+            task_id=getattr(request, "id", None),
+            task_name=self.name,
+        )
+        backend = backend_for(self.app)
+        task_thread = threading.get_ident()
+        lock = Lock(
+            backend,
+            key,
+            ttl,
+            self.lock_wait,
+            holder=holder,
+            on_lost=lambda lease: self._lease_lost(lease, task_thread),
+        )
+        try:
+            lease = lock.acquire(replace=_header(request, RETRY_HEADER))
+        except LockNotAcquiredError as exc:
+            return self._busy(backend, key, holder, exc)
+        except BackendError as exc:
+            if current.on_backend_error == "run":
+                logger.warning(
+                    "lock store failed for %s, running %s[%s] UNLOCKED "
+                    "(dlock_on_backend_error='run'): %s",
+                    key,
+                    self.name,
+                    holder.task_id,
+                    exc,
+                )
+                return self.run(*args, **kwargs)
+            return self._requeue(exc, "the lock store failed")
+        ACTIVE.add(backend, lease)
+        request.dlock_lock = lock
+        try:
+            return self._body(lock, backend, key, args, kwargs)
+        finally:
+            request.dlock_lock = None
+
+    def _body(
+        self,
+        lock: Lock,
+        backend: LockBackend,
+        key: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if self.once:
+            previous = backend.last_success(key, self.name)
+            if previous is not None:
+                mine = lock.detach()
+                ACTIVE.discard(mine)
+                details = (
+                    f"once: already succeeded (fence {previous.fence}, task "
+                    f"{previous.lease.holder.task_id}); returning its stored result"
+                )
+                backend.release(mine, Outcome.SKIPPED, "once", details)
+                return previous.result
+        try:
+            result = self.run(*args, **kwargs)
+        except Retry as exc:
+            self._retrying(lock, backend, exc)
+            raise
+        except LockLostError as exc:
+            held = lock.lease
+            self._finish(lock, Outcome.FAILED, exc)
+            if exc.key or held is None:
+                raise
+            # Injected by on_lock_lost="raise" as a bare class: say which lease.
+            raise LockLostError(held.key, held.fence, "renew") from None
+        except BaseException as exc:
+            self._finish(lock, _outcome_of(exc), exc)
+            raise
+        if lock.lost and self.on_lock_lost == "raise":
+            gone = lock.detach()
+            ACTIVE.discard(gone)
+            raise LockLostError(gone.key, gone.fence, "renew")
+        stored = _stored_result(self.name, result) if self.once else None
+        self._finish(lock, Outcome.SUCCEEDED, None, stored)
+        return result
+
+    def _finish(
+        self,
+        lock: Lock,
+        outcome: Outcome,
+        exc: BaseException | None,
+        result: Any = None,
+    ) -> None:
+        lease = lock.lease
+        if lease is None:
+            return
+        ACTIVE.discard(lease)
+        problem, details = (None, None) if exc is None else describe_exception(exc)
+        if isinstance(exc, Reject):
+            details = f"requeue={exc.requeue}: {details}"
+        try:
+            record = lock.release(outcome, problem, details, result)
+        except BackendError:
+            logger.exception("could not release %s; the janitor will clear it", lease.key)
+            return
+        if record is None and self.on_lock_lost == "raise" and exc is None:
+            raise LockLostError(lease.key, lease.fence, "release")
+
+    def _retrying(self, lock: Lock, backend: LockBackend, exc: Retry) -> None:
+        """The body called ``self.retry()``: keep the lease for the next attempt (which
+        takes it over by token) or release it as ``retried``."""
+        lease = lock.lease
+        if lease is None:
+            return
+        if not (self.lock_across_retries and getattr(self.request, "dlock_keep", False)):
+            self._finish(lock, Outcome.RETRIED, exc)
+            return
+        lease = lock.detach()
+        when = exc.when
+        countdown = when if isinstance(when, (int, float)) else self.default_retry_delay or 0
+        if hasattr(when, "timestamp"):
+            countdown = max(0.0, when.timestamp() - time.time())
+        # Cover the wait for the retry with a backstop TTL, even on stores whose liveness is
+        # a session: if the retry never comes, the key frees itself.
+        try:
+            kept = backend.renew(lease, float(countdown) + RETRY_GRACE)
+        except BackendError:
+            logger.exception("could not extend %s for its retry", lease.key)
+            kept = lease
+        if kept is not None:
+            ACTIVE.add(backend, kept, kept=True)
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry()``; with ``lock_across_retries`` the next attempt gets the
+        token of this attempt's lease in a message header and takes the lease over."""
+        lock: Lock | None = getattr(self.request, "dlock_lock", None)
+        lease = None if lock is None else lock.lease
+        if lease is not None and self.lock_across_retries:
+            headers = dict(kwargs.get("headers") or self.request.headers or {})
+            headers[RETRY_HEADER] = lease.token
+            kwargs["headers"] = headers
+            self.request.dlock_keep = True
+        return super().retry(*args, **kwargs)
+
+    # -- a busy key ------------------------------------------------------------------------
+
+    def _busy(
+        self, backend: LockBackend, key: str, holder: Holder, exc: LockNotAcquiredError
+    ) -> Any:
+        policy = self.on_locked
+        current = _current_lease(backend, key)
+        if callable(policy):
+            return policy(key, current)
+        if policy == "skip":
+            blocker = (
+                f"held by {current.holder.describe()} (fence {current.fence})"
+                if current is not None
+                else "held"
+            )
+            now = time.time()
+            skipped = Lease(key, new_token(), 0, holder, now)
+            backend.add_record(Record(skipped, now, Outcome.SKIPPED, "locked", blocker))
+            logger.info("%s[%s] skipped: %s %s", self.name, holder.task_id, key, blocker)
+            return None
+        if policy == "fail" or self._not_queued():
+            raise exc
+        attempt = int(_header(self.request, BUSY_HEADER) or 0)
+        if self.lock_retry_max is not None and attempt >= self.lock_retry_max:
+            raise exc
+        return self._requeue(exc, f"{key} is busy", attempt)
+
+    def _not_queued(self) -> bool:
+        """Eager runs and direct calls have no queue to go back to."""
+        request = self.request
+        return bool(request.called_directly or request.is_eager)
+
+    def _requeue(self, exc: Exception, why: str, attempt: int = 0) -> Any:
+        """Send this request again later with jittered backoff, keeping Celery's own
+        ``retries`` count, and end this attempt as RETRY."""
+        if self._not_queued():
+            raise exc
+        request = self.request
+        delay = min(self.lock_retry_backoff_max, self.lock_retry_backoff * 2**attempt)
+        delay *= random.uniform(0.5, 1.0)
+        headers = dict(request.headers or {})
+        headers[BUSY_HEADER] = attempt + 1
+        headers.pop(RETRY_HEADER, None)
+        signature = self.signature_from_request(
+            request, None, None, countdown=delay, retries=request.retries, headers=headers
+        )
+        signature.apply_async()
+        logger.info("%s[%s] re-queued in %.1f s: %s", self.name, request.id, delay, why)
+        raise Retry(exc=exc, when=delay, sig=signature)
+
+    # -- a lost lease ------------------------------------------------------------------------
+
+    def _lease_lost(self, lease: Lease, task_thread: int) -> None:
+        policy = self.on_lock_lost
+        if callable(policy):
+            policy(lease)
+            return
+        logger.error(
+            "%s lost its lease on %s (fence %d) while running: another holder may run now",
+            self.name,
+            lease.key,
+            lease.fence,
+        )
+        if policy == "raise":
+            # Raise LockLostError in the task's thread at its next Python instruction.
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(task_thread), ctypes.py_object(LockLostError)
+            )
+
+
+def _check_options(cls: type[LockedTask], name: str) -> None:
+    """Refuse bad task options when the task is defined, naming the task."""
+    try:
+        if cls.lock_ttl is not DEFAULT:
+            validate_ttl(cls.lock_ttl)
+        wait = cls.lock_wait
+        if wait is not None and (
+            isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0
+        ):
+            raise ConfigurationError(f"lock_wait must be seconds >= 0 or None, not {wait!r}")
+        if not callable(cls.on_locked) and cls.on_locked not in _ON_LOCKED:
+            choices = ", ".join(_ON_LOCKED)
+            raise ConfigurationError(
+                f"on_locked must be one of {choices} or a callable, not {cls.on_locked!r}"
+            )
+        if not callable(cls.on_lock_lost) and cls.on_lock_lost not in _ON_LOST:
+            raise ConfigurationError(
+                f"on_lock_lost must be 'log', 'raise' or a callable, not {cls.on_lock_lost!r}"
+            )
+        for option in ("lock_retry_backoff", "lock_retry_backoff_max"):
+            value = getattr(cls, option)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigurationError(f"{option} must be seconds > 0, not {value!r}")
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"task {name}: {exc}") from None
+
+
+def _header(request: Any, name: str) -> Any:
+    headers = getattr(request, "headers", None) or {}
+    value = headers.get(name) if isinstance(headers, dict) else None
+    return value if value is not None else getattr(request, name, None)
+
+
+def _current_lease(backend: LockBackend, key: str) -> Lease | None:
+    try:
+        return backend.get(key)
+    except BackendError:
+        return None
+
+
+def _outcome_of(exc: BaseException) -> Outcome:
+    """The outcome of a body that raised ``exc`` (Retry is handled before this)."""
+    if isinstance(exc, Ignore):
+        return Outcome.SKIPPED
+    # billiard raises Terminated in a child that gets SIGTERM (revoke(terminate=True)).
+    if isinstance(exc, (TaskRevokedError, SystemExit, KeyboardInterrupt)) or type(exc).__name__ in (
+        "Terminated",
+        "WorkerTerminate",
+    ):
+        return Outcome.REVOKED
+    return Outcome.FAILED
+
+
+def _stored_result(task_name: str, result: Any) -> Any:
+    """The result to keep for ``once`` replays: JSON values only."""
+    try:
+        json.dumps(result)
+    except (TypeError, ValueError):
+        logger.warning(
+            "%s returned a value that is not JSON (%s): once-replays will return None",
+            task_name,
+            type(result).__name__,
+        )
+        return None
+    return result

@@ -1,0 +1,168 @@
+"""Tasks run by the embedded worker (tests/celery/conftest.py). Bodies note what they saw
+in ``SEEN``, keyed by a per-test id, so tests can assert what ran."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from celery import shared_task
+from celery.exceptions import Ignore, Reject
+
+from celery_dlock import Lease, LockedTask
+
+SEEN: defaultdict[str, list[dict[str, Any]]] = defaultdict(list)
+
+
+def note(task: Any, run: str, **extra: Any) -> None:
+    lease = task.lease
+    SEEN[run].append(
+        {
+            "task": task.name,
+            "retries": task.request.retries,
+            "key": None if lease is None else lease.key,
+            "fence": None if lease is None else lease.fence,
+            "token": None if lease is None else lease.token,
+            **extra,
+        }
+    )
+
+
+@shared_task(base=LockedTask, bind=True, name="t.charge", lock_key="order:{run}", once=True)
+def charge(self: Any, run: str, amount: int) -> dict[str, Any]:
+    note(self, run)
+    return {"run": run, "amount": amount}
+
+
+@shared_task(base=LockedTask, bind=True, name="t.charge_flaky", lock_key="order:{run}", once=True)
+def charge_flaky(self: Any, run: str, fail: bool) -> str:
+    note(self, run)
+    if fail:
+        raise ValueError("card declined")
+    return "charged"
+
+
+@shared_task(base=LockedTask, bind=True, name="t.refund", lock_key="order:{run}")
+def refund(self: Any, run: str) -> str:
+    note(self, run)
+    return "refunded"
+
+
+@shared_task(base=LockedTask, bind=True, name="t.explode", lock_key="explode:<run>")
+def explode(self: Any, run: str) -> None:
+    note(self, run)
+    raise KeyError(f"no such order in {run}")
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.flaky",
+    lock_key="flaky:{run}",
+    max_retries=3,
+)
+def flaky(self: Any, run: str, failures: int) -> int:
+    note(self, run)
+    if self.request.retries < failures:
+        raise self.retry(countdown=0.2, exc=ConnectionError("gateway down"))
+    return int(self.request.retries)
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.flaky_release",
+    lock_key="flaky:{run}",
+    max_retries=3,
+    lock_across_retries=False,
+)
+def flaky_release(self: Any, run: str, failures: int) -> int:
+    note(self, run)
+    if self.request.retries < failures:
+        raise self.retry(countdown=0.2)
+    return int(self.request.retries)
+
+
+@shared_task(base=LockedTask, bind=True, name="t.ignore", lock_key="ignore:{run}")
+def ignore(self: Any, run: str) -> None:
+    note(self, run)
+    raise Ignore()
+
+
+@shared_task(base=LockedTask, bind=True, name="t.reject", lock_key="reject:{run}")
+def reject(self: Any, run: str) -> None:
+    note(self, run)
+    raise Reject("bad payload", requeue=False)
+
+
+@shared_task(base=LockedTask, bind=True, name="t.skip", lock_key="busy:{run}", on_locked="skip")
+def skip(self: Any, run: str) -> str:
+    note(self, run)
+    return "ran"
+
+
+@shared_task(base=LockedTask, bind=True, name="t.fail", lock_key="busy:{run}", on_locked="fail")
+def fail(self: Any, run: str) -> str:
+    note(self, run)
+    return "ran"
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.requeue",
+    lock_key="busy:{run}",
+    lock_retry_backoff=0.05,
+    lock_retry_backoff_max=0.2,
+    max_retries=0,
+)
+def requeue(self: Any, run: str) -> int:
+    note(self, run)
+    return int(self.request.retries)
+
+
+def _busy_policy(task: Any, key: str, lease: Lease | None) -> dict[str, Any]:
+    return {"busy": key, "fence": None if lease is None else lease.fence}
+
+
+@shared_task(
+    base=LockedTask, bind=True, name="t.custom", lock_key="busy:{run}", on_locked=_busy_policy
+)
+def custom(self: Any, run: str) -> str:
+    note(self, run)
+    return "ran"
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.long",
+    lock_key="long:{run}",
+    lock_ttl=0.3,
+)
+def long(self: Any, run: str, seconds: float) -> list[float]:
+    note(self, run)
+    expiries = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        lease = self.lease
+        expiries.append(lease.expires_at)
+        time.sleep(0.05)
+    return expiries
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.doomed",
+    lock_key="doomed:{run}",
+    lock_ttl=0.3,
+    on_lock_lost="raise",
+)
+def doomed(self: Any, run: str) -> str:
+    note(self, run)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # pure Python: the injected error lands here
+        sum(range(1000))
+    return "finished without noticing"
