@@ -22,7 +22,6 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, validate_ttl
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.lock import shared_backend
@@ -114,9 +113,8 @@ def install(app: Celery, *, janitor: bool = True) -> None:
     from celery_dlock import janitor as janitor_module
     from celery_dlock import signals
 
+    # Nothing here may read app.conf: that would configure the app now, and a
+    # beat_schedule the user assigns afterwards would replace the janitor's entry.
     signals.connect()
     if janitor:
         janitor_module.register(app)
-    logger.debug(
-        "celery_dlock installed on %s [%s]", app.main, mask_url(str(app.conf.get("dlock_backend")))
-    )

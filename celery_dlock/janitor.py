@@ -88,7 +88,7 @@ def register(app: Celery) -> Any:
 
     from celery_dlock.app import backend_for, settings
 
-    existing = app.tasks.get(JANITOR_TASK) if app.finalized else None
+    existing = getattr(app, "_dlock_janitor", None)
     if existing is not None:
         return existing
 
@@ -123,4 +123,5 @@ def register(app: Celery) -> Any:
             scheduler.update_from_dict({JANITOR_TASK: {"task": JANITOR_TASK, "schedule": interval}})
 
     celery_signals.beat_init.connect(ensure_entry, weak=False)
+    app._dlock_janitor = janitor
     return janitor
