@@ -19,6 +19,8 @@ import logging
 import os
 import tempfile
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,7 +31,7 @@ from celery_dlock.lock import shared_backend
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["Settings", "backend_for", "install", "settings"]
+__all__ = ["Settings", "backend_for", "forget_settings", "install", "settings"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -54,12 +56,34 @@ def default_backend_url() -> str:
     return f"file://{tempfile.gettempdir()}/celery-dlock-{os.getuid()}"
 
 
+#: Settings are read again at most this often (reading Celery's conf costs ~6 µs a key,
+#: which a task would otherwise pay on every run).
+SETTINGS_TTL = 1.0
+_cache: weakref.WeakKeyDictionary[Celery, tuple[float, Settings]] = weakref.WeakKeyDictionary()
+
+
 def settings(app: Celery) -> Settings:
-    """The app's ``dlock_*`` settings, with defaults.
+    """The app's ``dlock_*`` settings, with defaults; a change to ``app.conf`` is seen
+    within :data:`SETTINGS_TTL` seconds, or at once after :func:`forget_settings`.
 
     Raises:
         ConfigurationError: a setting has a bad value; the message names it.
     """
+    cached = _cache.get(app)
+    now = time.monotonic()
+    if cached is not None and now - cached[0] < SETTINGS_TTL:
+        return cached[1]
+    current = _read_settings(app)
+    _cache[app] = (now, current)
+    return current
+
+
+def forget_settings(app: Celery) -> None:
+    """Read ``app``'s settings afresh on next use (after changing ``app.conf`` at run time)."""
+    _cache.pop(app, None)
+
+
+def _read_settings(app: Celery) -> Settings:
     conf = app.conf
     url = conf.get("dlock_backend")
     if url is None:

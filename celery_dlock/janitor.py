@@ -86,7 +86,7 @@ def register(app: Celery) -> Any:
     configuration; returns the task."""
     from celery import signals as celery_signals
 
-    from celery_dlock.app import backend_for, settings
+    from celery_dlock.app import backend_for, forget_settings, settings
 
     existing = getattr(app, "_dlock_janitor", None)
     if existing is not None:
@@ -104,6 +104,7 @@ def register(app: Celery) -> Any:
         target = sender if sender is not None else app
         if target is not app:
             return
+        forget_settings(app)  # a (re)configuration: read the settings anew
         interval = settings(app).janitor_interval
         app.add_periodic_task(interval, janitor.s(), name=JANITOR_TASK)
 

@@ -40,7 +40,7 @@ from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, TaskRevokedError
 
-from celery_dlock.app import backend_for, settings
+from celery_dlock.app import settings
 from celery_dlock.backends.base import LockBackend, validate_ttl
 from celery_dlock.errors import (
     BackendError,
@@ -50,7 +50,7 @@ from celery_dlock.errors import (
     LockNotAcquiredError,
 )
 from celery_dlock.keys import KeyTemplate
-from celery_dlock.lock import DEFAULT, Lock
+from celery_dlock.lock import DEFAULT, Lock, shared_backend
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception, new_token
 
 __all__ = ["LockedTask"]
@@ -140,12 +140,18 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         lock: Lock | None = getattr(self.request, "dlock_lock", None)
         return None if lock is None else lock.lease
 
-    def lock_key_for(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str:
+    def lock_key_for(
+        self,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        namespace: str | None = None,
+    ) -> str:
         """The full key this task locks for these arguments (``job:order:42``)."""
         template = self._dlock_template
         if template is None:
             raise LockKeyError(f"task {self.name} has no lock_key")
-        namespace = settings(self.app).namespace
+        if namespace is None:
+            namespace = settings(self.app).namespace
         body = template.render(tuple(args or ()), kwargs or {})
         return f"{namespace}:{body}" if namespace else body
 
@@ -168,14 +174,14 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         current = settings(self.app)
-        key = self.lock_key_for(args, kwargs)
+        key = self.lock_key_for(args, kwargs, current.namespace)
         ttl = current.ttl if self.lock_ttl is DEFAULT else validate_ttl(self.lock_ttl)
         holder = Holder.current(
             worker=getattr(request, "hostname", None),
             task_id=getattr(request, "id", None),
             task_name=self.name,
         )
-        backend = backend_for(self.app)
+        backend = shared_backend(current.backend)
         task_thread = threading.get_ident()
         lock = Lock(
             backend,
@@ -226,7 +232,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                     f"{previous.lease.holder.task_id}); returning its stored result"
                 )
                 backend.release(mine, Outcome.SKIPPED, "once", details)
-                return previous.result
+                return _replayed(previous.result)
         try:
             result = self.run(*args, **kwargs)
         except Retry as exc:
@@ -431,8 +437,9 @@ def _outcome_of(exc: BaseException) -> Outcome:
     return Outcome.FAILED
 
 
-def _stored_result(task_name: str, result: Any) -> Any:
-    """The result to keep for ``once`` replays: JSON values only."""
+def _stored_result(task_name: str, result: Any) -> dict[str, Any]:
+    """What a ``once`` success keeps for replays: ``{"value": result}`` (never None, so the
+    store keeps it as the key's last success even when the task returned None)."""
     try:
         json.dumps(result)
     except (TypeError, ValueError):
@@ -441,5 +448,9 @@ def _stored_result(task_name: str, result: Any) -> Any:
             task_name,
             type(result).__name__,
         )
-        return None
-    return result
+        return {"value": None, "unstored": type(result).__qualname__}
+    return {"value": result}
+
+
+def _replayed(stored: Any) -> Any:
+    return stored.get("value") if isinstance(stored, dict) else stored

@@ -146,10 +146,12 @@ class LockBackend(ABC):
 
     @abstractmethod
     def last_success(self, key: str, task_name: str) -> Record | None:
-        """The newest ``succeeded`` record on ``key`` of a holder with this ``task_name``.
+        """The newest ``succeeded`` record on ``key`` of a holder with this ``task_name``
+        that was released with a ``result``.
 
-        Kept apart from history (``prune_history`` leaves it) for ``once``; leases whose
-        holder has no task name leave none.
+        Kept apart from history (``prune_history`` leaves it) for ``once``. Only a success
+        released with a result (not None) and a holder with a task name leaves one, so the
+        usual release pays nothing for it.
         """
 
     @abstractmethod
@@ -231,6 +233,15 @@ class ProcessLocal(Generic[T]):
 def expired(lease: Lease, now: float) -> bool:
     """Whether ``lease`` has run past its expiry at time ``now``."""
     return lease.expires_at is not None and lease.expires_at <= now
+
+
+def remembered(record: Record) -> bool:
+    """Whether ``record`` becomes its key's last success for its task (``last_success``)."""
+    return (
+        record.outcome is Outcome.SUCCEEDED
+        and record.result is not None
+        and record.lease.holder.task_name is not None
+    )
 
 
 def retried(lease: Lease, successor: Holder, now: float) -> Record:

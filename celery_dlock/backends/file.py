@@ -61,6 +61,7 @@ from celery_dlock.backends.base import (
     expired,
     expiry,
     flag,
+    remembered,
     retried,
     url_options,
     validate_ttl,
@@ -236,7 +237,7 @@ class FileBackend(LockBackend):
         except OSError as exc:
             raise BackendError(f"cannot append to the history: {exc}", self.url) from exc
         task_name = record.lease.holder.task_name
-        if record.outcome is Outcome.SUCCEEDED and task_name is not None:
+        if remembered(record) and task_name is not None:
             self._write_success(record, task_name)
 
     def _write_success(self, record: Record, task_name: str) -> None:

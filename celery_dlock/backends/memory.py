@@ -29,6 +29,7 @@ from celery_dlock.backends.base import (
     LockBackend,
     expired,
     expiry,
+    remembered,
     retried,
     url_options,
     validate_ttl,
@@ -235,5 +236,5 @@ class MemoryBackend(LockBackend):
         else:
             self._history.append(record)
         task_name = record.lease.holder.task_name
-        if record.outcome is Outcome.SUCCEEDED and task_name is not None:
+        if remembered(record) and task_name is not None:
             self._successes[(record.key, task_name)] = record

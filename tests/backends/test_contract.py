@@ -434,6 +434,16 @@ def test_last_success_is_the_newest_success_of_that_task_on_that_key(
     assert backend.last_success("job:once:other", "tasks.charge") is None
 
 
+def test_a_success_without_result_leaves_no_last_success(backend: LockBackend) -> None:
+    kept = backend.try_acquire("job:plain", holder("tasks.sync"), None)
+    assert kept is not None
+    remembered = backend.release(kept, Outcome.SUCCEEDED, result={"n": 1})
+    plain = backend.try_acquire("job:plain", holder("tasks.sync"), None)
+    assert plain is not None
+    backend.release(plain, Outcome.SUCCEEDED)  # the usual release: no result
+    assert backend.last_success("job:plain", "tasks.sync") == remembered
+
+
 def test_prune_history_drops_old_records_and_keeps_last_success(store: StoreCase) -> None:
     backend = store.backend
     lease = backend.try_acquire("job:prune", holder("tasks.nightly"), None)

@@ -46,7 +46,7 @@ def test_long_names_never_collide_with_short_ones() -> None:
 def test_directories_are_private_and_files_owner_only(backend: FileBackend, tmp_path: Path) -> None:
     lease = backend.try_acquire("job:perm", Holder.current(task_name="t"), None)
     assert lease is not None
-    backend.release(lease, Outcome.SUCCEEDED)
+    backend.release(lease, Outcome.SUCCEEDED, result="kept for once")
     root = tmp_path / "locks"
     for directory in (root, root / "locks", root / "history", root / "success"):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory

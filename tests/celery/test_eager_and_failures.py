@@ -23,7 +23,7 @@ from celery_dlock import (
     Outcome,
     install,
 )
-from celery_dlock.app import settings
+from celery_dlock.app import forget_settings, settings
 from celery_dlock.backends.memory import MemoryBackend
 
 
@@ -120,6 +120,7 @@ def broken_store(app: Any, tmp_path: Path) -> Iterator[None]:
     shutil.rmtree(directory)
     previous = app.conf.dlock_backend
     app.conf.dlock_backend = url
+    forget_settings(app)
     try:
         with pytest.raises(BackendError):
             shared_backend(url).try_acquire("job:probe", Holder.current(), None)
@@ -127,6 +128,7 @@ def broken_store(app: Any, tmp_path: Path) -> Iterator[None]:
     finally:
         app.conf.dlock_backend = previous
         app.conf.dlock_on_backend_error = "retry"
+        forget_settings(app)
 
 
 @pytest.mark.usefixtures("broken_store")
@@ -141,6 +143,7 @@ def test_store_failure_retries_the_task_and_never_runs_it_unlocked(
         time.sleep(0.02)
     assert tasks.SEEN[run] == []
     app.conf.dlock_backend = "memory://celery-tests"  # the store is back
+    forget_settings(app)
     assert result.get(timeout=20) == "refunded"
     [seen] = tasks.SEEN[run]
     assert seen["key"] == f"job:order:{run}"  # ran under the lock, once the store was back
@@ -152,6 +155,7 @@ def test_store_failure_with_run_policy_runs_unlocked_and_says_so(
     app: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     app.conf.dlock_on_backend_error = "run"
+    forget_settings(app)
     run = new_run()
     with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
         assert tasks.refund.delay(run).get(timeout=10) == "refunded"

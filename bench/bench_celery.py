@@ -1,0 +1,137 @@
+"""Celery end to end: no-op task throughput through a real prefork worker (Redis broker).
+
+    python bench/bench_celery.py [--tasks 1000] [--rounds 3] [--store postgres|file|redis]
+
+Variants, interleaved round by round, each with a fresh `worker --pool=prefork -c 2`:
+- ``plain``: a plain Celery task (the floor).
+- ``LockedTask``: the same body under a celery-dlock lock, a distinct key per task.
+- ``celery-once`` and ``celery-singleton`` (if installed): their locks, for comparison.
+Throughput = N / (first send → the N-th body has run); each body is one Redis INCR.
+Target (issue 4): LockedTask ≥ 0.92× plain; on this machine type celery-singleton reached
+0.90× and celery-once 0.81× (shared/notes/anchor-benchmarks.md, table C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+
+HERE = Path(__file__).parent
+REDIS = "redis://127.0.0.1:6379"
+BROKER_DB, COUNTER_DB = 6, 7
+
+
+def store_url(kind: str, scratch: Path) -> str:
+    if kind == "file":
+        return f"file://{scratch}/locks"
+    if kind == "redis":
+        return f"{REDIS}/{COUNTER_DB}?prefix=bench-{uuid.uuid4().hex[:6]}"
+    schema = f"dlock_bench_{uuid.uuid4().hex[:8]}"
+    return f"postgresql://postgres@127.0.0.1:5432/test?schema={schema}&auto_migrate=1"
+
+
+def run_once(variant: str, tasks: int, env: dict[str, str]) -> float:
+    """Tasks per second for one variant with a fresh worker."""
+    counter = redis.Redis.from_url(env["BENCH_COUNTER"])
+    redis.Redis.from_url(env["BENCH_BROKER"]).flushdb()
+    counter.flushdb()
+    sys.path.insert(0, str(HERE))
+    import celery_bench_app
+
+    app = celery_bench_app.app
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "celery_bench_app", "worker",
+         "--pool=prefork", "--concurrency=2", "--without-gossip", "--without-mingle",
+         "--without-heartbeat", "--loglevel=WARNING", f"--hostname=bench-{variant}@%h"],
+        cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not app.control.ping(timeout=0.5):
+            if time.monotonic() > deadline or worker.poll() is not None:
+                raise RuntimeError("the worker did not start")
+        task = app.tasks[f"bench.{variant}"]
+        started = time.perf_counter()
+        for i in range(tasks):
+            task.delay(i)
+        while int(counter.get("bench:done") or 0) < tasks:
+            if time.perf_counter() - started > 300:
+                raise RuntimeError(f"{variant}: only {counter.get('bench:done')} of {tasks} ran")
+            time.sleep(0.002)
+        return tasks / (time.perf_counter() - started)
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        if worker.stderr is not None:
+            errors = worker.stderr.read().decode(errors="replace")
+            worker.stderr.close()
+            if "Traceback" in errors:
+                print(errors[-3000:], file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--store", choices=["postgres", "file", "redis"], default="postgres")
+    options = parser.parse_args()
+
+    scratch = Path(f"/tmp/dlock-bench-{uuid.uuid4().hex[:6]}")
+    scratch.mkdir()
+    locks = store_url(options.store, scratch)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "BENCH_BROKER": f"{REDIS}/{BROKER_DB}",
+        "BENCH_COUNTER": f"{REDIS}/{COUNTER_DB}",
+        "BENCH_LOCKS": locks,
+    }
+    os.environ.update({k: v for k, v in env.items() if k.startswith("BENCH_")})
+    variants = ["plain", "locked"]
+    for optional, module in (("once", "celery_once"), ("singleton", "celery_singleton")):
+        try:
+            __import__(module)
+            variants.append(optional)
+        except ImportError:
+            print(f"{module} is not installed: pip install 'celery-dlock[bench]' to compare")
+    print(f"{options.tasks} no-op tasks × {options.rounds} rounds, prefork -c 2, "
+          f"LockedTask store: {options.store}")  # fmt: skip
+    rates: dict[str, list[float]] = {v: [] for v in variants}
+    for round_number in range(options.rounds):
+        for variant in variants:
+            rates[variant].append(run_once(variant, options.tasks, env))
+        line = ", ".join(f"{v} {rates[v][-1]:.0f}/s" for v in variants)
+        print(f"round {round_number + 1}: {line}", flush=True)
+
+    print("\n| variant | tasks/s (min–max) | ratio to plain, paired per round (min–max) |")
+    print("|---|---|---|")
+    names = {"plain": "plain Celery", "locked": "LockedTask", "once": "celery-once",
+             "singleton": "celery-singleton"}  # fmt: skip
+    for variant in variants:
+        ratios = [r / p for r, p in zip(rates[variant], rates["plain"], strict=True)]
+        print(
+            f"| {names[variant]} | {statistics.median(rates[variant]):,.0f} "
+            f"({min(rates[variant]):,.0f}–{max(rates[variant]):,.0f}) "
+            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) |"
+        )
+    locked_ratio = statistics.median(
+        r / p for r, p in zip(rates["locked"], rates["plain"], strict=True)
+    )
+    verdict = "meets" if locked_ratio >= 0.92 else "MISSES"
+    print(f"\nLockedTask / plain = {locked_ratio:.2f} ({verdict} the target of ≥ 0.92)")
+
+
+if __name__ == "__main__":
+    main()
