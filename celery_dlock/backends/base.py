@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
-__all__ = ["Capabilities", "Clock", "LockBackend", "ProcessLocal", "validate_ttl"]
+__all__ = ["Capabilities", "Check", "Clock", "LockBackend", "ProcessLocal", "validate_ttl"]
 
 #: Seconds since the epoch; backends whose expiry uses the caller's clock take one.
 Clock = Callable[[], float]
@@ -61,6 +61,15 @@ def validate_ttl(ttl: float | None) -> float | None:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
         raise ConfigurationError(f"ttl must be a positive number of seconds or None, not {ttl!r}")
     return float(ttl)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One finding of ``diagnose()``: what was checked, whether it is fine, and the detail."""
+
+    name: str
+    ok: bool
+    detail: str
 
 
 class LockBackend(ABC):
@@ -183,6 +192,16 @@ class LockBackend(ABC):
         A push from the store where it has one, else a bounded, jittered poll; may return
         early. The caller tries again and calls again.
         """
+
+    def server_time(self) -> float | None:
+        """The store's own clock now, in seconds since the epoch, for the doctor's skew
+        check; None where the store has no clock of its own (memory, file)."""
+        return None
+
+    def diagnose(self) -> list[Check]:
+        """Store-specific health checks for ``celery dlock doctor`` (schema present, pooler
+        mode...); may raise BackendError when the store cannot be reached."""
+        return []
 
     def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing
         """Release clients and files held by this process."""
