@@ -1,0 +1,247 @@
+"""The demo: ``python -m worker_example.demo`` (no servers needed).
+
+It starts a real prefork worker and beat as subprocesses on the embedded stack, submits
+every order several times at once, SIGKILLs the worker child stuck on a hanging gateway
+call, lets a crashed cron run leave a lock behind for the janitor, and prints a report.
+Exit code 0 only if every order was charged exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTED = time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"[{time.monotonic() - STARTED:5.1f}s] {message}", flush=True)
+
+
+def until(condition: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"demo failed: no {what} within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="celery-dlock payments demo (no servers)")
+    parser.add_argument("--data", default="demo-data", help="working folder (emptied first)")
+    parser.add_argument("--copies", type=int, default=4, help="submissions of each order")
+    options = parser.parse_args()
+
+    data = Path(options.data).absolute()
+    if data.exists():
+        shutil.rmtree(data)
+    data.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "DLOCK_EXAMPLE_DATA": str(data),
+        "DLOCK_EXAMPLE_JANITOR": "2",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    os.environ.update(DLOCK_EXAMPLE_DATA=str(data), DLOCK_EXAMPLE_JANITOR="2")
+    sys.path.insert(0, str(ROOT))
+
+    from worker_example import gateway, tasks
+    from worker_example.app import app
+
+    say(f"embedded stack in {data}: filesystem broker, file results, file locks, SQLite ledger")
+    cards = [gateway.APPROVED] * 4 + [gateway.DECLINED_ONCE, gateway.HANGS_ONCE]
+    orders = [
+        (n, f"customer-{n}", Decimal(f"{10 * n}.50"), card) for n, card in enumerate(cards, 1)
+    ]
+    tasks.ledger.create()
+    tasks.ledger.add_orders(orders)
+    hanging = next(n for n, _, _, card in orders if card == gateway.HANGS_ONCE)
+    declined = next(n for n, _, _, card in orders if card == gateway.DECLINED_ONCE)
+    say(
+        f"{len(orders)} orders; order {declined}'s card is declined once, "
+        f"order {hanging}'s gateway hangs"
+    )
+
+    worker = start(
+        ["worker", "--pool=prefork", "--concurrency=4", "--loglevel=INFO", "--hostname=demo@%h"],
+        data / "worker.log",
+        env,
+    )
+    beat = start(["beat", "--loglevel=INFO", "--max-interval=1"], data / "beat.log", env)
+    try:
+        until(lambda: app.control.ping(timeout=1.0), "worker answering pings")
+        say("worker (prefork, 4 children) and beat are up; the janitor runs every 2 s")
+        demo = Demo(app, tasks, orders, hanging, declined, options.copies, data, env)
+        return demo.run()
+    finally:
+        for process in (beat, worker):
+            process.send_signal(signal.SIGTERM)
+        for process in (beat, worker):
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        say(f"worker and beat stopped; logs in {data}")
+
+
+def start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "celery", "-A", "worker_example.app", *arguments]
+    with open(log, "ab") as output:
+        return subprocess.Popen(command, env=env, stdout=output, stderr=output, cwd=ROOT)
+
+
+@dataclass
+class Demo:
+    """One run of the demo: the app, its orders, and where it keeps its files."""
+
+    app: Any
+    tasks: Any
+    orders: list[tuple[int, str, Decimal, str]]
+    hanging: int
+    declined: int
+    copies: int
+    data: Path
+    env: dict[str, str]
+
+    def run(self) -> int:
+        from celery_dlock.app import backend_for
+
+        tasks, data = self.tasks, self.data
+        store = backend_for(self.app)
+        first = tasks.charge.delay(self.hanging)
+        stuck = until(lambda: _read_json(data / "hanging.json"), "charge stuck at the gateway")
+        say(f"order {self.hanging}: its charge hangs at the gateway in worker child {stuck['pid']}")
+        results = [first]
+        for _ in range(self.copies):
+            results += [tasks.charge.delay(order_id) for order_id, *_ in self.orders]
+        say(f"submitted {len(results)} charges: every order {self.copies} more times, at once")
+
+        orphan = _crashed_cron_run(self.env, store)
+        say(f"a cron run of the nightly report crashed holding {orphan}")
+
+        time.sleep(1.0)  # give the duplicates of the stuck order time to meet its lock
+        os.kill(stuck["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        say(f"SIGKILLed worker child {stuck['pid']} in the middle of charging order {self.hanging}")
+
+        outcomes: Counter[str] = Counter()
+        for result in results:
+            try:
+                result.get(timeout=120, propagate=True)
+                outcomes["returned a charge"] += 1
+            except Exception as exc:
+                outcomes[type(exc).__name__] += 1
+        finished = ", ".join(f"{n} {what}" for what, n in outcomes.items())
+        say(f"every submission finished: {finished}")
+
+        until(lambda: _janitor_cleared(store, orphan), "janitor clearing the crashed run's lock")
+        say("the janitor cleared the crashed cron run's lock")
+        return self.report(store, stuck["pid"], killed_at)
+
+    def report(self, store: Any, killed_pid: int, killed_at: float) -> int:
+        from celery_dlock import Outcome
+
+        charged = self.tasks.ledger.charges_per_order()
+        print("\n=== report " + "=" * 60)
+        print("orders charged (ledger rows per order; each must be exactly 1):")
+        for order_id, customer, amount, _ in self.orders:
+            count = charged.get(order_id, 0)
+            mark = "ok" if count == 1 else "WRONG"
+            print(f"  order {order_id} {customer:<11} {amount:>7}  charged {count}x  {mark}")
+
+        history = store.history(limit=None)
+        charges = [r for r in history if r.key.startswith("job:order:")]
+        replayed = [r for r in charges if r.outcome is Outcome.SKIPPED and r.problem == "once"]
+        succeeded = [r for r in charges if r.outcome is Outcome.SUCCEEDED]
+        print(
+            f"\nlock history of the charges: {len(succeeded)} succeeded, {len(replayed)} "
+            "duplicates replayed the stored result instead of charging again (once=True)"
+        )
+        print("\nthe SIGKILLed child's lock, and the crashed cron run's:")
+        dead = [r for r in charges if r.lease.holder.pid == killed_pid]
+        for record in dead:
+            print(
+                f"  {record.key} fence {record.fence} released as {record.outcome} "
+                f"({record.problem}) {record.released_at - killed_at:+.2f} s after the kill"
+            )
+        for record in (r for r in history if r.key.startswith("job:report:crashed")):
+            print(
+                f"  {record.key} fence {record.fence} released as {record.outcome} by the janitor"
+            )
+        print("\nfailures in the history (exception type: message):")
+        for record in history:
+            if record.outcome is Outcome.FAILED:
+                message = (record.details or "").splitlines()[0]
+                print(f"  {record.key} fence {record.fence}: {record.problem}: {message}")
+        print(f"\nhistory of order {self.hanging} (oldest first):")
+        mine = sorted(
+            (r for r in charges if r.key == f"job:order:{self.hanging}"),
+            key=lambda r: r.released_at,
+        )
+        for record in mine:
+            print(f"  fence {record.fence:>3} {record.outcome.value:<12} {record.problem or ''}")
+
+        exactly_once = all(charged.get(order_id, 0) == 1 for order_id, *_ in self.orders)
+        disconnected = any(r.outcome is Outcome.DISCONNECTED for r in dead)
+        typed = any(
+            r.outcome is Outcome.FAILED and (r.problem or "").endswith("CardDeclined")
+            for r in history
+        )
+        print("\n" + "=" * 71)
+        print(f"every order charged exactly once: {'YES' if exactly_once else 'NO'}")
+        print(
+            f"the killed child's lock recorded as disconnected: {'YES' if disconnected else 'NO'}"
+        )
+        print(f"the declined card recorded with its exception type: {'YES' if typed else 'NO'}")
+        return 0 if exactly_once and disconnected and typed else 1
+
+
+def _crashed_cron_run(env: dict[str, str], store: Any) -> str:
+    """A process on this host takes the report lock and dies by SIGKILL."""
+    key = f"job:report:crashed-{int(time.time())}"
+    code = (
+        "import sys, time\n"
+        "from celery_dlock import backend_from_url, Holder\n"
+        f"lease = backend_from_url({store.url!r}).try_acquire({key!r},"
+        " Holder.current(task_name='payments.nightly_report'), None)\n"
+        "print(lease.fence, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    process.stdout.readline()
+    process.kill()
+    process.wait()
+    process.stdout.close()
+    return key
+
+
+def _janitor_cleared(store: Any, key: str) -> bool:
+    return any(r.outcome.value == "disconnected" for r in store.history(key=key))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""The payments tasks: each order's charge and refund share one lock key, ``job:order:<id>``.
+
+- ``charge`` is guarded by ``once=True``: a second submission of the same order returns the
+  first charge's result instead of charging again. Its ledger write carries the lease's
+  fence, so a holder whose lease was lost (paused past it) cannot write.
+- ``refund`` takes the same key, so it never runs while the order is being charged.
+- ``nightly_report`` is a singleton per day: a second run while one is going is skipped.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from typing import Any
+
+from celery_dlock import LockedTask
+from worker_example import gateway
+from worker_example.app import DATA, LEDGER_URL, app
+from worker_example.ledger import Ledger
+
+ledger = Ledger(LEDGER_URL)
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    name="payments.charge",
+    lock_key="order:<order_id>",
+    once=True,
+    lock_retry_backoff=0.2,
+    lock_retry_backoff_max=1.0,
+)
+def charge(self: Any, order_id: int) -> dict[str, Any]:
+    """Charge an order's card once, and write the charge under the lease's fence."""
+    _, amount, card = ledger.order(order_id)
+    reference = gateway.pay(DATA, card, amount, order_id)
+    lease = self.lease
+    charge_id = ledger.charge(
+        lease.key,
+        lease.fence,
+        order_id=order_id,
+        amount=amount,
+        task_id=self.request.id,
+        pid=os.getpid(),
+    )
+    return {"order": order_id, "charge": charge_id, "amount": str(amount), "reference": reference}
+
+
+@app.task(base=LockedTask, bind=True, name="payments.refund", lock_key="order:<order_id>")
+def refund(self: Any, order_id: int) -> dict[str, Any]:
+    """Refund an order; never at the same time as its charge."""
+    _, amount, _ = ledger.order(order_id)
+    ledger.refund(self.lease.key, self.lease.fence, order_id, amount)
+    return {"order": order_id, "refunded": str(amount)}
+
+
+def _report_key(day: str | None = None) -> str:
+    return f"report:{day or dt.date.today().isoformat()}"
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    name="payments.nightly_report",
+    lock_key=_report_key,
+    on_locked="skip",
+    once=True,
+)
+def nightly_report(self: Any, day: str | None = None) -> dict[str, Any]:
+    """Total the day's charges; one run per day, however often beat or a human asks."""
+    day = day or dt.date.today().isoformat()
+    total = ledger.report(self.lease.key, self.lease.fence, day)
+    return {"day": day, "total": str(total)}
