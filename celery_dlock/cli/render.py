@@ -1,0 +1,178 @@
+"""How the CLI writes and reads times: durations (``4m12s``), local timestamps, aligned
+tables, the JSON form of leases and records, and the ``--since``/duration parameters."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from celery_dlock.records import Lease, Record
+
+__all__ = [
+    "DURATION",
+    "SINCE",
+    "expires_text",
+    "holder_text",
+    "human_duration",
+    "lease_json",
+    "local_time",
+    "record_json",
+    "table",
+]
+
+if TYPE_CHECKING:
+    _FloatParam = click.ParamType[float]
+else:  # click < 8.2 has no generic ParamType at run time
+    _FloatParam = click.ParamType
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_DURATION = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w))+")
+
+
+def human_duration(seconds: float) -> str:
+    """``230ms``, ``3s``, ``4m12s``, ``2h05m``, ``3d04h``: short, and exact enough to act on."""
+    if not math.isfinite(seconds) or seconds < 0:
+        seconds = 0.0
+    if seconds < 1:
+        return f"{int(seconds * 1000)}ms"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def local_time(timestamp: float) -> str:
+    """``2024-05-01 12:00:03``: seconds since the epoch as local time, to the second."""
+    return datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def iso_time(timestamp: float) -> str:
+    """The ISO 8601 form with the local offset, for JSON: ``2024-05-01T12:00:03.250+02:00``."""
+    return (
+        datetime.fromtimestamp(timestamp, timezone.utc).astimezone().isoformat("T", "milliseconds")
+    )
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds in ``90``, ``90s``, ``10m``, ``1h30m``, ``2d``, ``250ms``; None if not one."""
+    text = text.strip().lower()
+    if _NUMBER.fullmatch(text):
+        return float(text)
+    if not _DURATION.fullmatch(text):
+        return None
+    return sum(float(number) * _UNITS[unit] for number, unit in _PART.findall(text))
+
+
+class DurationType(_FloatParam):
+    """A duration on the command line: ``90``, ``10m``, ``1h30m``, ``2d``."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float):
+            return value
+        seconds = parse_duration(str(value))
+        if seconds is None:
+            self.fail(f"{value!r} is not a duration such as 90s, 10m, 1h30m or 2d", param, ctx)
+        return seconds
+
+
+class SinceType(_FloatParam):
+    """A point in time: a duration back from now (``10m``) or an ISO time (``2024-05-01``,
+    ``2024-05-01T12:00``, local unless it carries an offset or ``Z``); seconds since the
+    epoch after conversion."""
+
+    name = "duration|iso-time"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float):
+            return value
+        text = str(value).strip()
+        seconds = parse_duration(text)
+        if seconds is not None:
+            return datetime.now(timezone.utc).timestamp() - seconds
+        try:
+            moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
+        except ValueError:
+            self.fail(
+                f"{value!r} is neither a duration (10m, 2h, 1d) nor an ISO time "
+                "(2024-05-01T12:00, 2024-05-01T10:00Z)",
+                param,
+                ctx,
+            )
+        return moment.timestamp()  # naive: local time
+
+
+DURATION = DurationType()
+SINCE = SinceType()
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Plain columns aligned with two spaces, a header line in capitals, no colour."""
+    widths = [len(header) for header in headers]
+    for row in rows:
+        widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
+    lines = [[header.upper() for header in headers], *rows]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+def expires_text(lease: Lease, now: float) -> str:
+    """``in 12s``, ``never``, or ``EXPIRED`` (by ``now``, the store's clock where it has one)."""
+    if lease.expires_at is None:
+        return "never"
+    if lease.expires_at <= now:
+        return "EXPIRED"
+    return f"in {human_duration(lease.expires_at - now)}"
+
+
+def holder_text(lease: Lease) -> str:
+    """The holder's description, marked ``[gone]`` when it is provably dead (a process of
+    this host that no longer exists; see ``Holder.is_gone``)."""
+    text = lease.holder.describe()
+    return f"{text} [gone]" if lease.holder.is_gone() else text
+
+
+def lease_json(lease: Lease, now: float) -> dict[str, Any]:
+    """``Lease.to_dict()`` plus ``holder_text``, ``holder_gone``, ``acquired``, ``age``,
+    ``expires_in`` (seconds, None for no expiry) and ``expired``."""
+    data = lease.to_dict()
+    data.update(
+        holder_text=lease.holder.describe(),
+        holder_gone=lease.holder.is_gone(),
+        acquired=iso_time(lease.acquired_at),
+        age=max(now - lease.acquired_at, 0.0),
+        expires_in=None if lease.expires_at is None else lease.expires_at - now,
+        expired=lease.expires_at is not None and lease.expires_at <= now,
+    )
+    return data
+
+
+def record_json(record: Record) -> dict[str, Any]:
+    """``Record.to_dict()`` plus ``key``, ``fence``, ``holder_text``, ``released`` (ISO,
+    local offset) and ``duration`` (seconds held)."""
+    data = record.to_dict()
+    data.update(
+        key=record.key,
+        fence=record.fence,
+        holder_text=record.lease.holder.describe(),
+        released=iso_time(record.released_at),
+        duration=max(record.released_at - record.lease.acquired_at, 0.0),
+    )
+    return data

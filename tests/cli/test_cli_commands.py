@@ -1,0 +1,398 @@
+"""The CLI's commands, run for real (``celery-dlock ...`` and ``celery -A app dlock ...``)
+against real stores; each test asserts the store's state after the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import HERE, CliStore, popen_cli, run_celery, run_cli
+
+from celery_dlock.records import Holder, Lease, Outcome, Record
+
+HOLD = HERE.parent / "helpers" / "hold.py"
+
+
+def hold(store: CliStore, key: str, ttl: float | None = None, task_id: str = "t-1") -> Lease:
+    holder = Holder.current(worker="celery@w1", task_id=task_id, task_name="tests.charge")
+    lease = store.backend.try_acquire(key, holder, ttl)
+    assert lease is not None
+    return lease
+
+
+def output_json(result: subprocess.CompletedProcess[str]) -> Any:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def forced_records(store: CliStore, key: str) -> list[Record]:
+    return store.backend.history(key=key, outcome=Outcome.FORCED)
+
+
+# -- leases -----------------------------------------------------------------------------------
+
+
+def test_leases_lists_held_lock_with_holder_and_fence(store: CliStore) -> None:
+    lease = hold(store, "job:order:42")
+    hold(store, "other:order:1", task_id="t-2")
+
+    result = run_cli("--backend", store.url, "leases")
+
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.splitlines()
+    assert header.split() == ["KEY", "HOLDER", "AGE", "FENCE", "EXPIRES"]
+    assert row.startswith("job:order:42 ")
+    assert lease.holder.describe() in row
+    assert f"  {lease.fence}  " in row
+    assert row.endswith("never")
+    assert "other:order:1" not in result.stdout  # outside the namespace
+
+
+def test_leases_json_has_every_lease_with_token_and_computed_fields(store: CliStore) -> None:
+    first = hold(store, "job:a", ttl=300)
+    second = hold(store, "other:b", task_id="t-2")
+
+    data = output_json(run_cli("--backend", store.url, "leases", "--all", "--json"))
+
+    assert data["prefix"] == ""
+    by_key = {entry["key"]: entry for entry in data["leases"]}
+    assert set(by_key) == {"job:a", "other:b"}
+    assert by_key["job:a"]["token"] == first.token
+    assert by_key["job:a"]["fence"] == first.fence
+    assert 0 < by_key["job:a"]["expires_in"] <= 300
+    assert by_key["other:b"]["expires_in"] is None
+    assert by_key["other:b"]["holder"] == second.holder.to_dict()
+    assert by_key["other:b"]["holder_text"] == second.holder.describe()
+    assert by_key["other:b"]["holder_gone"] is False
+
+
+def test_leases_with_no_lease_says_so(file_store: CliStore) -> None:
+    result = run_cli("--backend", file_store.url, "leases")
+    assert result.returncode == 0
+    assert (
+        result.stdout.strip() == f"no leases under 'job:' in {file_store.url} (--all for every key)"
+    )
+
+
+def test_leases_under_celery_use_the_apps_store_and_namespace(store: CliStore) -> None:
+    lease = hold(store, "shop:order:7")
+    hold(store, "job:order:8", task_id="t-2")
+
+    result = run_celery(store.url, "leases", "--json", env={"DLOCK_CLI_NAMESPACE": "shop"})
+    data = output_json(result)
+
+    assert data["prefix"] == "shop:"
+    assert [(e["key"], e["token"]) for e in data["leases"]] == [("shop:order:7", lease.token)]
+
+
+def test_celery_backend_option_overrides_the_apps_setting(
+    file_store: CliStore, tmp_path: Path
+) -> None:
+    lease = hold(file_store, "job:x")
+    elsewhere = f"file://{tmp_path}/elsewhere"
+
+    data = output_json(run_celery(elsewhere, "--backend", file_store.url, "leases", "--json"))
+
+    assert [e["token"] for e in data["leases"]] == [lease.token]
+
+
+# -- history ----------------------------------------------------------------------------------
+
+
+def _history_keys(store: CliStore, *args: str) -> list[tuple[str, str]]:
+    data = output_json(run_cli("--backend", store.url, "history", "--json", *args))
+    return [(entry["key"], entry["outcome"]) for entry in data["records"]]
+
+
+def test_history_filters_by_key_outcome_problems_and_since(store: CliStore) -> None:
+    two_hours_ago = time.time() - 7200
+    # The old record goes first: Redis orders its history by the time records arrive.
+    old = Lease("job:a", "0" * 32, 0, Holder.current(task_name="tests.old"), two_hours_ago - 5)
+    store.backend.add_record(Record(old, two_hours_ago, Outcome.FAILED, "KeyError", "'x'"))
+    for key, outcome, problem in [
+        ("job:a", Outcome.SUCCEEDED, None),
+        ("job:b", Outcome.FAILED, "ValueError"),
+        ("job:c", Outcome.RETRIED, None),
+        ("job:d", Outcome.DISCONNECTED, "disconnected"),
+    ]:
+        assert store.backend.release(hold(store, key), outcome, problem, f"{key} ended") is not None
+
+    assert _history_keys(store) == [
+        ("job:d", "disconnected"),
+        ("job:c", "retried"),
+        ("job:b", "failed"),
+        ("job:a", "succeeded"),
+        ("job:a", "failed"),
+    ]
+    assert _history_keys(store, "--key", "job:a") == [("job:a", "succeeded"), ("job:a", "failed")]
+    assert _history_keys(store, "--outcome", "failed") == [("job:b", "failed"), ("job:a", "failed")]
+    assert _history_keys(store, "--problems") == [
+        ("job:d", "disconnected"),
+        ("job:b", "failed"),
+        ("job:a", "failed"),
+    ]
+    assert _history_keys(store, "--problems", "--limit", "2") == [
+        ("job:d", "disconnected"),
+        ("job:b", "failed"),
+    ]
+    assert ("job:a", "failed") not in _history_keys(store, "--since", "1h")
+    an_hour_ago = datetime.fromtimestamp(time.time() - 3600).isoformat(timespec="seconds")
+    assert _history_keys(store, "--problems", "--since", an_hour_ago) == [
+        ("job:d", "disconnected"),
+        ("job:b", "failed"),
+    ]
+
+
+def test_history_table_shows_columns_and_details_under_each_row(file_store: CliStore) -> None:
+    lease = hold(file_store, "job:b")
+    file_store.backend.release(lease, Outcome.FAILED, "ValueError", "bad amount\nTraceback: ...")
+
+    result = run_cli("--backend", file_store.url, "history", "--problems", "--details")
+
+    assert result.returncode == 0, result.stderr
+    header, row, *details = result.stdout.splitlines()
+    assert header.split() == [
+        "RELEASED",
+        "KEY",
+        "OUTCOME",
+        "PROBLEM",
+        "FENCE",
+        "HOLDER",
+        "DURATION",
+    ]
+    assert row.split()[2:6] == ["job:b", "failed", "ValueError", str(lease.fence)]
+    assert details == ["    bad amount", "    Traceback: ..."]
+
+
+def test_history_with_no_match_says_so_and_hints_the_full_key(file_store: CliStore) -> None:
+    hold(file_store, "job:order:1")
+    result = run_cli("--backend", file_store.url, "history", "--key", "order:1")
+    assert result.returncode == 0
+    assert "no history records match" in result.stdout
+    assert "did you mean 'job:order:1'?" in result.stdout
+
+
+def test_history_rejects_a_bad_since_with_a_usage_error(file_store: CliStore) -> None:
+    result = run_cli("--backend", file_store.url, "history", "--since", "yesterday")
+    assert result.returncode == 2
+    assert "'yesterday' is neither a duration" in result.stderr
+
+
+# -- release ----------------------------------------------------------------------------------
+
+
+def test_release_answered_no_changes_nothing(store: CliStore) -> None:
+    lease = hold(store, "job:order:42")
+
+    result = run_cli("--backend", store.url, "release", "job:order:42", input="n\n")
+
+    assert result.returncode == 1
+    assert lease.holder.describe() in result.stdout  # the lease was shown before asking
+    assert "[y/N]" in result.stdout
+    current = store.backend.get("job:order:42")
+    assert current is not None and current.token == lease.token
+    assert forced_records(store, "job:order:42") == []
+
+
+def test_release_answered_yes_releases_and_records_forced_with_reason(store: CliStore) -> None:
+    lease = hold(store, "job:order:42")
+
+    result = run_cli(
+        "--backend", store.url, "release", "job:order:42", "--reason", "stuck worker", input="y\n"
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert store.backend.get("job:order:42") is None
+    [record] = forced_records(store, "job:order:42")
+    assert record.lease.token == lease.token
+    assert record.problem == "forced"
+    assert record.details is not None
+    assert "stuck worker" in record.details
+    assert f"@{os.uname().nodename}" in record.details  # the operator, user@host
+
+
+def test_release_leaves_a_lease_taken_meanwhile_untouched(store: CliStore) -> None:
+    shown = hold(store, "job:order:42")
+    with popen_cli("--backend", store.url, "release", "job:order:42") as process:
+        assert process.stdout is not None
+        _read_until(process.stdout, b"[y/N]")
+
+        # While the operator reads the prompt, the lease ends and someone else takes the key.
+        assert store.backend.release(shown, Outcome.SUCCEEDED) is not None
+        newer = hold(store, "job:order:42", task_id="t-2")
+        _, err = process.communicate(b"y\n", timeout=60)
+
+    assert process.returncode == 1
+    assert b"changed hands meanwhile" in err
+    current = store.backend.get("job:order:42")
+    assert current is not None and current.token == newer.token
+    assert forced_records(store, "job:order:42") == []
+
+
+def test_release_of_a_lease_that_ended_meanwhile_touches_nothing(file_store: CliStore) -> None:
+    shown = hold(file_store, "job:order:42")
+    with popen_cli("--backend", file_store.url, "release", "job:order:42", "--json") as process:
+        assert process.stderr is not None
+        _read_until(process.stderr, b"[y/N]")  # with --json, the lease and prompt go to stderr
+
+        assert file_store.backend.release(shown, Outcome.SUCCEEDED) is not None
+        out, _ = process.communicate(b"y\n", timeout=60)
+
+    assert process.returncode == 1
+    data = json.loads(out)
+    assert (data["status"], data["released"], data["current"]) == ("ended", False, None)
+    assert data["lease"]["token"] == shown.token
+    assert forced_records(file_store, "job:order:42") == []
+
+
+def test_release_force_does_not_ask(store: CliStore) -> None:
+    lease = hold(store, "job:order:42")
+
+    result = run_cli(
+        "--backend", store.url, "release", "job:order:42", "--force", "--reason", "deploy", "--json"
+    )
+
+    data = output_json(result)
+    assert (data["status"], data["released"]) == ("released", True)
+    assert data["record"]["outcome"] == "forced"
+    assert data["record"]["lease"]["token"] == lease.token
+    assert store.backend.get("job:order:42") is None
+    [record] = forced_records(store, "job:order:42")
+    assert record.details is not None and "deploy" in record.details
+
+
+def test_release_takes_the_key_exactly_as_leases_shows_it(file_store: CliStore) -> None:
+    lease = hold(file_store, "job:order:42")
+
+    result = run_cli("--backend", file_store.url, "release", "order:42", "--force")
+
+    assert result.returncode == 1
+    assert "no lease on 'order:42'" in result.stderr
+    assert "did you mean 'job:order:42'?" in result.stderr
+    current = file_store.backend.get("job:order:42")
+    assert current is not None and current.token == lease.token
+
+
+def test_release_under_celery(file_store: CliStore) -> None:
+    hold(file_store, "job:order:9")
+    result = run_celery(file_store.url, "release", "job:order:9", "--force")
+    assert result.returncode == 0, result.stderr
+    assert file_store.backend.get("job:order:9") is None
+    assert len(forced_records(file_store, "job:order:9")) == 1
+
+
+def _read_until(stream: Any, marker: bytes) -> bytes:
+    """Bytes from ``stream`` up to and including ``marker`` (a prompt has no newline)."""
+    seen = b""
+    while marker not in seen:
+        chunk = os.read(stream.fileno(), 4096)
+        assert chunk, f"the command ended before printing {marker!r}: {seen!r}"
+        seen += chunk
+    return seen
+
+
+# -- reap, migrate ----------------------------------------------------------------------------
+
+
+def test_reap_records_a_sigkilled_holder(store: CliStore) -> None:
+    # Redis has no liveness but expiry: the holder takes a short ttl and is reaped as expired.
+    ttl = ["0.5"] if store.name == "redis" else []
+    command = [sys.executable, str(HOLD), store.url, "job:order:42", *ttl]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as holder:
+        assert holder.stdout is not None
+        held = Lease.from_dict(json.loads(holder.stdout.readline()))
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+
+    counts = _reap_until_one_reaped(store)
+
+    expected = "expired" if store.name == "redis" else "disconnected"
+    assert counts["reaped"] == 1 and counts[expected] == 1
+    assert store.backend.get("job:order:42") is None
+    [record] = store.backend.history(key="job:order:42")
+    assert (record.outcome.value, record.lease.token, record.fence) == (
+        expected,
+        held.token,
+        held.fence,
+    )
+
+
+def _reap_until_one_reaped(store: CliStore) -> dict[str, int]:
+    """Run ``reap`` until it reaps: the store may notice the death (a closed session, an
+    expiry) a moment after the kill."""
+    for _ in range(100):
+        counts: dict[str, int] = output_json(run_cli("--backend", store.url, "reap", "--json"))
+        if counts["reaped"]:
+            return counts
+        time.sleep(0.1)
+    raise AssertionError("reap never reaped the killed holder's lease")
+
+
+def test_reap_prints_counts(file_store: CliStore) -> None:
+    result = run_cli("--backend", file_store.url, "reap")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "leases reaped: 0 (0 disconnected, 0 expired); history not pruned"
+    )
+
+
+def test_migrate_creates_the_postgres_schema_idempotently() -> None:
+    from conftest import drop_schema, postgres_admin, postgres_url
+
+    admin = postgres_admin()
+    schema = f"dlock_cli_{os.urandom(5).hex()}"
+    url = postgres_url(schema)
+    try:
+        before = run_cli("--backend", url, "leases")
+        assert before.returncode == 2
+        assert "migrate" in before.stderr
+
+        first = run_cli("--backend", url, "migrate")
+        second = run_cli("--backend", url, "migrate", "--json")
+
+        assert first.returncode == 0, first.stderr
+        assert "schema is up to date" in first.stdout
+        assert output_json(second)["migrated"] is True
+        tables = admin.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_schema = %s", (schema,)
+        ).fetchone()[0]
+        assert tables >= 2
+        assert run_cli("--backend", url, "leases").returncode == 0
+    finally:
+        drop_schema(admin, schema)
+        admin.close()
+
+
+def test_migrate_says_a_store_without_schema_needs_none(file_store: CliStore) -> None:
+    result = run_cli("--backend", file_store.url, "migrate")
+    assert result.returncode == 0
+    assert result.stdout.strip() == "the file backend needs no migration"
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["leases"],
+        ["leases", "--all"],
+        ["history"],
+        ["history", "--problems", "--details"],
+        ["release", "job:held", "--force"],
+        ["reap"],
+        ["migrate"],
+        ["doctor"],
+    ],
+    ids=" ".join,
+)
+def test_every_command_prints_json_with_json(file_store: CliStore, command: list[str]) -> None:
+    hold(file_store, "job:held")
+    data = output_json(run_cli("--backend", file_store.url, *command, "--json"))
+    assert isinstance(data, dict)
+    assert data["backend"] == file_store.url

@@ -1,0 +1,78 @@
+"""The CLI's text helpers: durations, ``--since`` and the password mask (in process)."""
+
+from __future__ import annotations
+
+import time
+
+import click
+import pytest
+
+from celery_dlock.cli.env import Env, Target
+from celery_dlock.cli.render import SINCE, human_duration, parse_duration, table
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0.23, "230ms"),
+        (3.9, "3s"),
+        (252, "4m12s"),
+        (2 * 3600 + 5 * 60 + 9, "2h05m"),
+        (3 * 86400 + 4 * 3600, "3d04h"),
+        (-2, "0ms"),
+    ],
+)
+def test_human_duration(seconds: float, text: str) -> None:
+    assert human_duration(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("10m", 600.0),
+        ("1h30m", 5400.0),
+        ("2d", 172800.0),
+        ("250ms", 0.25),
+        ("1.5h", 5400.0),
+        ("-5", None),
+        ("inf", None),
+        ("10 minutes", None),
+    ],
+)
+def test_parse_duration(text: str, seconds: float | None) -> None:
+    assert parse_duration(text) == seconds
+
+
+def test_since_takes_a_duration_back_or_an_iso_time() -> None:
+    assert abs(SINCE.convert("1h", None, None) - (time.time() - 3600)) < 60
+    assert SINCE.convert("2024-05-01T10:00:00Z", None, None) == 1714557600.0
+    assert SINCE.convert("2024-05-01T12:00:00+02:00", None, None) == 1714557600.0
+    with pytest.raises(click.BadParameter):
+        SINCE.convert("last week", None, None)
+
+
+def test_table_aligns_columns_without_trailing_spaces() -> None:
+    assert table(("key", "fence"), [["job:a", "1"], ["job:long", "12"]]).splitlines() == [
+        "KEY       FENCE",
+        "job:a     1",
+        "job:long  12",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("url", "forms"),
+    [
+        ("redis://:s3cret@cache:6379/1", ["s3cret"]),
+        ("postgresql://app:s3cret@db/app?schema=x", ["s3cret"]),
+        ("redis://:s3%40cret@cache:6379/1", ["s3%40cret", "s3@cret"]),
+        ("redis://:s3cret@[::1:6379/1", ["s3cret"]),  # unparsable: found all the same
+    ],
+)
+def test_scrub_masks_the_password_in_any_text(url: str, forms: list[str]) -> None:
+    env = Env(lambda: Target(url=url, source="--backend", namespace="job"))
+    assert ":***@" in env.url or env.url == "<unparsable URL>"
+    quoted = f"failed: {url!r}; auth with {' / '.join(forms)} refused; {url}"
+    scrubbed = env.scrub(quoted)
+    assert all(form not in scrubbed for form in forms), scrubbed
