@@ -1,0 +1,508 @@
+"""Locks in Redis: one Lua script per change, fences, a capped history stream, push wakeups.
+
+URL
+    ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
+    ``unix:///path/to/redis.sock?db=N``, e.g. ``redis://:s3cret@cache:6379/1?prefix=jobs``.
+
+Options
+    ``prefix`` (default ``dlock``): the namespace of our Redis keys; no braces.
+    ``history_maxlen`` (default 100000): the history stream is capped near this length
+    (``XADD MAXLEN ~``: trimmed in whole stream nodes, so it may run ~100 over).
+    ``success_ttl`` (seconds, default 30 days): how long ``last_success`` markers (for
+    ``once``) live; they are not history and ``prune_history`` leaves them.
+    ``gc_after`` (seconds, default 1 day): a free key's state (its fence) is dropped this
+    long after its last release; its next fence then starts from Redis's clock.
+    ``restart_delay`` (seconds, default 30): after Redis lost its data, no lock is granted
+    for this long (see Guarantees); 0 turns it off.
+    ``buckets`` (default 1): hash slots the namespace is spread over (Redis Cluster).
+    ``retries`` (default 2): retries of a command whose connection failed, after 50 ms,
+    100 ms...; each script is safe to run twice.
+    ``socket_timeout``, ``socket_connect_timeout`` (seconds, default 5), ``db`` (for
+    ``unix://``), and for ``rediss://``: ``ssl_ca_certs``, ``ssl_certfile``,
+    ``ssl_keyfile``, ``ssl_cert_reqs`` (``none``/``optional``/``required``),
+    ``ssl_check_hostname``. Unknown options are errors.
+
+Layout
+    See :mod:`celery_dlock.backends.redis.layout`: every key of a lock, and the index and
+    history stream it writes, are in one cluster hash slot; no command scans the keyspace.
+
+Guarantees
+    liveness: a lease expires by Redis's own clock (``SET PXAT``), so client clock skew
+    does not matter; a holder that stops renewing (SIGKILL, lost host) loses its key at
+    expiry. A lease that Redis expired is recorded ``expired`` by the next ``try_acquire``,
+    ``release``, ``renew`` or ``reap`` that sees it, exactly once (the check and the record
+    are one script). A lease taken with ``ttl=None`` never expires: only its holder or
+    ``force_release`` frees it.
+    partition: a holder cut off from Redis cannot renew; its lease expires on Redis's
+    clock while it may still run. Fences make that detectable: hand ``lease.fence`` to
+    the resource and have it refuse lower ones.
+    restart: with no persistence a restart loses every lock and the history. Holders then
+    see ``release`` return None and ``renew`` fail (``lost``). Fences stay increasing: a
+    key with no state starts at Redis's clock in microseconds, above any fence issued
+    before, unless Redis's clock went back by more than the outage. A client that saw the
+    old data notices the loss (the epoch key is gone) and no lock is granted for
+    ``restart_delay`` seconds, so that holders of lost locks notice at their next renewal
+    (keep ``restart_delay`` above ``ttl / 3``). A process that never talked to Redis before
+    cannot tell a loss from a first use: it waits until the server has been up for
+    ``restart_delay``, which covers a restart; a FLUSHDB or a failover to an empty replica
+    met first by such a process is seen once an older client comes by. Persistence
+    (AOF ``appendfsync always``) keeps locks and history across restarts; with ``everysec``
+    the last second may be lost.
+    failover: replication is asynchronous; a replica promoted before it received a lock
+    may grant it again (redis.io, "distlock"). The epoch check does not see that.
+    eviction: Redis must run with ``maxmemory-policy noeviction``: an evicted lock key is
+    a lock given away.
+    cluster: each script touches one hash slot, so the layout is cluster-legal; this
+    backend talks to one node (or a proxy) and does not follow ``MOVED`` itself.
+    durability: ``durable_history`` is False: history is as durable as Redis's
+    persistence, which this backend cannot see.
+    wait: ``BLPOP`` on the key's signal list, which each release fills for the first
+    waiter (Redis serves blocked clients first come, first served); bounded by the lease's
+    expiry and by a 15 s fallback, since a wake-up can go to a waiter that then gives up.
+
+Install
+    ``pip install 'celery-dlock[redis]'`` (redis-py 5 or newer; hiredis optional). Redis
+    7.0 or newer (``XADD <ms>-*``; ``SET PXAT``, ``XTRIM MINID``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace as with_fields
+from typing import Any, ClassVar
+
+from celery_dlock.backends import mask_url
+from celery_dlock.backends.base import (
+    Capabilities,
+    Check,
+    LockBackend,
+    remembered,
+    validate_ttl,
+)
+from celery_dlock.backends.redis.client import AMBIGUOUS, Client, Connections
+from celery_dlock.backends.redis.fields import (
+    encode_json,
+    holder_json,
+    lease_from_state,
+    optional_seconds,
+    record_fields,
+    record_from_fields,
+    seconds,
+)
+from celery_dlock.backends.redis.layout import Layout
+from celery_dlock.backends.redis.scripts import (
+    ACQUIRE,
+    ADD,
+    DUE,
+    EXPIRE,
+    FORCE,
+    PEEK,
+    PROBE,
+    PRUNE,
+    RELEASE,
+    RENEW,
+    bulks,
+)
+from celery_dlock.backends.redis.url import parse_url
+from celery_dlock.errors import BackendError, ConfigurationError
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+
+__all__ = ["RedisBackend"]
+
+_DAY = 86400.0
+#: How long a release's wake-up waits in the signal list for a waiter, in ms.
+_SIGNAL_MS = "1000"
+#: Longest single BLPOP: a wake-up can be lost (its waiter died before taking the key), so
+#: waiters look again at least this often. ``Lock`` polls every second on its own anyway;
+#: this bounds direct callers, and stays above the contract's 10 s test of the push.
+_FALLBACK = 15.0
+#: Acquires whose outcome is unknown, kept per process until Redis answers again.
+_DOUBTFUL_LIMIT = 1000
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, round(seconds * 1000)))
+
+
+def _ms_floor(when: float) -> int:
+    """A stream id's milliseconds for a release at ``when``, 2 ms early: entry ids follow
+    release times, but ``add_record``'s may be a millisecond off (float rounding)."""
+    return math.floor(when * 1000) - 2
+
+
+class RedisBackend(LockBackend):
+    """Locks in one Redis (or a proxy to it); liveness is the lease's expiry."""
+
+    name = "redis"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        liveness="lease",
+        push_wait=True,
+        cross_process=True,
+        cross_host=True,
+        durable_history=False,
+        server_clock=True,
+    )
+
+    def __init__(
+        self,
+        connection: dict[str, Any] | None = None,
+        *,
+        prefix: str = "dlock",
+        buckets: int = 1,
+        history_maxlen: int = 100_000,
+        success_ttl: float = 30 * _DAY,
+        gc_after: float = _DAY,
+        restart_delay: float = 30.0,
+        retries: int = 2,
+        url: str = "redis://localhost:6379/0",
+    ) -> None:
+        for option, value in (("success_ttl", success_ttl), ("gc_after", gc_after)):
+            if not value > 0:
+                raise ConfigurationError(f"{option} must be positive seconds, not {value!r}")
+        if not restart_delay >= 0:
+            raise ConfigurationError(f"restart_delay must be seconds >= 0, not {restart_delay!r}")
+        if history_maxlen < 1 or retries < 0:
+            raise ConfigurationError(
+                f"history_maxlen must be >= 1 and retries >= 0, not {history_maxlen}, {retries}"
+            )
+        self.url = url
+        self._client = Client(connection or {}, retries, url)
+        self._layout = Layout(prefix, buckets)
+        self._common = (str(history_maxlen), _ms(gc_after), _SIGNAL_MS)
+        self._success_ms = _ms(success_ttl)
+        self._restart_ms = "0" if restart_delay == 0 else _ms(restart_delay)
+        # The epoch seen per bucket: knowledge, not a resource, so a forked child keeps it.
+        self._epochs: dict[bytes, bytes] = {}
+        self._holder: tuple[Holder, bytes] | None = None
+        self._segments: dict[tuple[str, int], bytes] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisBackend:
+        connection, settings = parse_url(url, options)
+        return cls(connection, url=mask_url(url), **settings)
+
+    # -- packing -------------------------------------------------------------------------
+
+    def _segment_count(self, numkeys: int) -> int:
+        """How many parts ``_segment(key, numkeys)`` packs."""
+        return 2 + numkeys + len(self._common)
+
+    def _segment(self, key: str, numkeys: int) -> bytes:
+        """The packed parts of a script call on ``key`` that never change: the number of
+        keys, the first ``numkeys`` keys, the shared arguments and the key itself."""
+        segment = self._segments.get((key, numkeys))
+        if segment is None:
+            names = self._layout.names(key)
+            segment = bulks([numkeys, *names[:numkeys], *self._common, names.raw])
+            if len(self._segments) >= 4096:
+                self._segments.clear()
+            self._segments[key, numkeys] = segment
+        return segment
+
+    def _holder_json(self, holder: Holder) -> bytes:
+        """The holder as stored, for the last holder seen (a worker acquires as one)."""
+        cached = self._holder
+        if cached is not None and cached[0] is holder:
+            return cached[1]
+        text = holder_json(holder).encode()
+        self._holder = (holder, text)
+        return text
+
+    # -- the contract ----------------------------------------------------------------
+
+    def try_acquire(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+    ) -> Lease | None:
+        ttl = validate_ttl(ttl)
+        connections = self._client.connections()
+        if connections.doubtful:
+            self._settle(connections)
+        names = self._layout.names(key)
+        token = new_token()
+        args: list[bytes | str] = [
+            token,
+            "" if ttl is None else _ms(ttl),
+            self._holder_json(holder),
+            self._epochs.get(names.epoch, b""),
+            self._restart_ms,
+            replace or "",
+            "" if replace is None else encode_json(f"continued by its retry: {holder.describe()}"),
+        ]
+        tail = self._segment(key, 7) + bulks(args)
+        count = self._segment_count(7) + len(args)
+        try:
+            reply = self._client.run(ACQUIRE, count, tail, operation="acquire", key=key)
+        except BackendError as exc:
+            # The acquire may have landed with its reply lost: release it once we can.
+            doubtful = connections.doubtful
+            if isinstance(exc.__cause__, AMBIGUOUS) and len(doubtful) < _DOUBTFUL_LIMIT:
+                doubtful.append((key, token))
+            raise
+        parts = reply.split()
+        if parts[-1] != b"-":
+            self._epochs[names.epoch] = parts[-1]
+        if len(parts) == 2:
+            return None
+        fence, acquired, expires, _ = parts
+        return Lease(key, token, int(fence), holder, float(acquired), optional_seconds(expires))
+
+    def _settle(self, connections: Connections) -> None:
+        """Release the leases of acquires whose reply was lost, recorded ``disconnected``."""
+        details = encode_json(
+            "the reply to this acquire was lost; its lease was released once Redis answered"
+        )
+        while connections.doubtful:
+            key, token = connections.doubtful[0]
+            names = self._layout.names(key)
+            args = [*self._common, names.raw, token, Outcome.DISCONNECTED.value]
+            args += [encode_json("disconnected"), details, "null", "0", ""]
+            self._client.eval(RELEASE, names[:5], args, operation="release", key=key)
+            connections.doubtful.pop(0)
+
+    def release(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None = None,
+        details: str | None = None,
+        result: Any = None,
+    ) -> Record | None:
+        outcome = Outcome(outcome)
+        key = lease.key
+        task_name = lease.holder.task_name
+        marker = outcome is Outcome.SUCCEEDED and result is not None and task_name is not None
+        if marker:
+            names = self._layout.names(key)
+            keys = [*names[:5], self._layout.marker(key, str(task_name))]
+            head = bulks([6, *keys, *self._common, names.raw])
+        else:
+            head = self._segment(key, 5)
+        args = [
+            lease.token,
+            outcome.value,
+            encode_json(problem),
+            encode_json(details),
+            encode_json(result),
+        ]
+        marker_ms = self._success_ms if marker else ""
+        count = self._segment_count(6 if marker else 5) + len(args) + 2
+        reply = self._client.run(
+            RELEASE,
+            count,
+            head + bulks([*args, "0", marker_ms]),
+            operation="release",
+            key=key,
+            again=lambda: head + bulks([*args, "1", marker_ms]),
+        )
+        if reply == 0:
+            return None
+        released, expires = reply.split()
+        expires_at = optional_seconds(expires)
+        if expires_at != lease.expires_at:
+            lease = with_fields(lease, expires_at=expires_at)
+        return Record(lease, float(released), outcome, problem, details, result)
+
+    def add_record(self, record: Record) -> None:
+        keys = [self._layout.history(self._layout.bucket(record.key))]
+        marker_ms = ""
+        task_name = record.lease.holder.task_name
+        if remembered(record) and task_name is not None:
+            keys.append(self._layout.marker(record.key, task_name))
+            marker_ms = self._success_ms
+        first_id = max(0, _ms_floor(record.released_at) + 2)
+        args = [self._common[0], first_id, marker_ms, *record_fields(record)]
+        self._client.eval(ADD, keys, args, operation="add_record", key=record.key)
+
+    def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
+        ttl = validate_ttl(ttl)
+        tail = self._segment(lease.key, 5) + bulks([lease.token, "" if ttl is None else _ms(ttl)])
+        count = self._segment_count(5) + 2
+        reply = self._client.run(RENEW, count, tail, operation="renew", key=lease.key)
+        if reply == 0:
+            return None
+        return with_fields(lease, expires_at=optional_seconds(reply))
+
+    def get(self, key: str) -> Lease | None:
+        names = self._layout.names(key)
+        state = self._client.eval(PEEK, names[:2], [], operation="get", key=key)
+        return lease_from_state(key, state) if state else None
+
+    def leases(self, prefix: str = "") -> list[Lease]:
+        found = []
+        for bucket in range(self._layout.buckets):
+            members = self._client.command("leases", "ZRANGE", self._layout.index(bucket), 0, -1)
+            for member in members:
+                key = member.decode("utf-8", "surrogatepass")
+                if key.startswith(prefix):
+                    lease = self.get(key)
+                    if lease is not None:
+                        found.append(lease)
+        return sorted(found, key=lambda lease: lease.key)
+
+    def history(
+        self,
+        key: str | None = None,
+        outcome: Outcome | None = None,
+        since: float | None = None,
+        limit: int | None = 100,
+    ) -> list[Record]:
+        """Records newest first, read with ``XREVRANGE`` back to ``since`` and filtered here:
+        the cost grows with the records scanned, so a filter that matches few records of a
+        busy namespace reads far. Records are in the order Redis released them."""
+        if limit is not None and limit <= 0:
+            return []
+        buckets = range(self._layout.buckets) if key is None else [self._layout.bucket(key)]
+        found: list[Record] = []
+        for bucket in buckets:
+            found += self._history_of(bucket, key, outcome, since, limit)
+        if len(buckets) > 1:
+            found.sort(key=lambda record: record.released_at, reverse=True)
+        return found if limit is None else found[:limit]
+
+    def _history_of(
+        self,
+        bucket: int,
+        key: str | None,
+        outcome: Outcome | None,
+        since: float | None,
+        limit: int | None,
+    ) -> list[Record]:
+        stream = self._layout.history(bucket)
+        raw_key = None if key is None else key.encode("utf-8", "surrogatepass")
+        raw_outcome = None if outcome is None else Outcome(outcome).value.encode()
+        low = "-" if since is None else str(max(0, _ms_floor(since)))
+        high = "+"
+        batch = 200 if limit is None else min(max(limit, 50), 1000)
+        found: list[Record] = []
+        while True:
+            entries = self._client.command(
+                "history", "XREVRANGE", stream, high, low, "COUNT", batch
+            )
+            for _, flat in entries:
+                fields = dict(zip(flat[::2], flat[1::2], strict=True))
+                if raw_key is not None and fields[b"key"] != raw_key:
+                    continue
+                if raw_outcome is not None and fields[b"out"] != raw_outcome:
+                    continue
+                if since is not None and seconds(fields[b"rel"]) < since:
+                    continue
+                found.append(record_from_fields(fields))
+                if limit is not None and len(found) >= limit:
+                    return found
+            if len(entries) < batch:
+                return found
+            high = b"(" + entries[-1][0]
+
+    def last_success(self, key: str, task_name: str) -> Record | None:
+        fields = self._client.command(
+            "last_success", "HGETALL", self._layout.marker(key, task_name)
+        )
+        return record_from_fields(fields) if fields else None
+
+    def reap(self, limit: int = 100) -> list[Record]:
+        """Records ``expired`` the leases that Redis expired, found through the index (by
+        expiry, by Redis's clock), never by scanning keys. Concurrent reapers record each
+        lease once: the check and the record are one script."""
+        reaped: list[Record] = []
+        for bucket in range(self._layout.buckets):
+            room = limit - len(reaped)
+            if room <= 0:
+                break
+            due = self._client.eval(DUE, [self._layout.index(bucket)], [room], operation="reap")
+            for member in due:
+                key = member.decode("utf-8", "surrogatepass")
+                names = self._layout.names(key)
+                fields = self._client.eval(
+                    EXPIRE, names[:5], [*self._common, member], operation="reap", key=key
+                )
+                if fields:
+                    reaped.append(record_from_fields(fields))
+        return reaped
+
+    def force_release(self, key: str, reason: str) -> Record | None:
+        names = self._layout.names(key)
+        args = [*self._common, names.raw, encode_json(reason)]
+        fields = self._client.eval(FORCE, names[:5], args, operation="force_release", key=key)
+        return record_from_fields(fields) if fields else None
+
+    def prune_history(self, before: float) -> int:
+        """Trims each stream by id (``XTRIM MINID``) and checks the records of the cut's
+        last few milliseconds one by one; markers are other keys and stay."""
+        first = max(0, _ms_floor(before))
+        args = [repr(float(before)), first, first + 4]
+        return sum(
+            int(
+                self._client.eval(
+                    PRUNE, [self._layout.history(bucket)], args, operation="prune_history"
+                )
+            )
+            for bucket in range(self._layout.buckets)
+        )
+
+    def wait(self, key: str, timeout: float) -> None:
+        """Block on the key's signal list until a release pushes a wake-up, the lease
+        expires (by Redis's clock), ``timeout`` passes, or the 15 s fallback."""
+        if timeout <= 0:
+            return
+        names = self._layout.names(key)
+        # The waiter's note in the state outlives the longest BLPOP by a margin for a slow
+        # client; a waiter slower still wakes by its own timeout.
+        blocking_ms = int((min(timeout, _FALLBACK) + self._client.slack) * 1000)
+        keys = [names.lock, names.quarantine, names.state]
+        left = self._client.eval(PROBE, keys, [blocking_ms], operation="wait", key=key)
+        if left == -2:
+            return
+        pause = min(timeout, _FALLBACK)
+        if left >= 0:
+            pause = min(pause, left / 1000 + 0.001)
+        if pause >= 0.001:
+            self._client.blpop(names.signal, pause, key)
+
+    def server_time(self) -> float:
+        seconds_, micros = self._client.command("server_time", "TIME")
+        return int(seconds_) + int(micros) / 1e6
+
+    def diagnose(self) -> list[Check]:
+        """Version, eviction policy, persistence, role, cluster mode, and that scripts run:
+        read from ``INFO`` (managed Redis often disables ``CONFIG``)."""
+        info: dict[str, str] = {}
+        for section in ("server", "memory", "persistence", "replication", "cluster"):
+            text = self._client.command("diagnose", "INFO", section).decode()
+            info.update(line.split(":", 1) for line in text.splitlines() if ":" in line)
+        names = self._layout.names("dlock:doctor")
+        self._client.eval(PEEK, names[:2], [], operation="diagnose")
+        return _checks(info)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _checks(info: dict[str, str]) -> list[Check]:
+    """The doctor's findings from ``INFO``; scripts ran if we got this far."""
+    version = info.get("redis_version", "?")
+    major = int(version.split(".")[0]) if version[:1].isdigit() else 0
+    policy = info.get("maxmemory_policy", "?")
+    evicting = "" if policy == "noeviction" else ": an evicted lock key is a lock given away"
+    persistence = (
+        "AOF on: locks and history survive a restart"
+        if info.get("aof_enabled") == "1"
+        else "no AOF: a restart loses locks and history; holders see their leases lost and "
+        "no lock is granted for restart_delay"
+    )
+    role = info.get("role", "?")
+    cluster = info.get("cluster_enabled") == "1"
+    return [
+        Check("redis version", major >= 7, f"{version} (needs 7.0 or newer)"),
+        Check("eviction", policy == "noeviction", f"maxmemory-policy {policy}{evicting}"),
+        Check("persistence", True, persistence),
+        Check("role", role == "master", f"{role} (locks are written to the primary)"),
+        Check(
+            "cluster mode",
+            not cluster,
+            "on: this backend talks to one node and does not follow MOVED; use a proxy or a "
+            "single primary"
+            if cluster
+            else "off",
+        ),
+        Check("scripts", True, "EVALSHA runs (Lua scripting is allowed)"),
+    ]

@@ -1,0 +1,102 @@
+"""Where the Redis backend keeps things: the names of its Redis keys.
+
+Every name starts with a hash tag, ``{<prefix>}`` (or ``{<prefix>:<bucket>}`` when the
+namespace is split into buckets), and the lock key comes last, verbatim::
+
+    {dlock}:lock:job:order:42        the lock: the token, expiring by Redis's clock
+    {dlock}:state:job:order:42       fence, lease (kept until recorded), last release
+    {dlock}:signal:job:order:42      wake-ups for waiters
+    {dlock}:success:12:tasks.charge:job:order:42    last success of a task (for once)
+    {dlock}:index                    keys with a lease, scored by expiry
+    {dlock}:history                  the capped stream of records
+    {dlock}:epoch  {dlock}:quarantine    notice that Redis lost its data
+
+Redis Cluster hashes only what is between the first ``{`` and the next ``}``. The prefix
+may not hold braces, so the tag is always ours whatever the lock key holds (braces,
+colons, anything): all keys of a lock, *and* the index and history it writes, share one
+slot, and each script touches one slot only. With ``buckets`` > 1 a key's bucket is its
+CRC-32 modulo ``buckets``, which spreads the namespace over that many slots; readers of
+the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+from celery_dlock.errors import ConfigurationError
+
+__all__ = ["Layout", "LockNames"]
+
+
+class LockNames(NamedTuple):
+    """The Redis keys one lock uses, in the order the scripts take them, and the key."""
+
+    lock: bytes
+    state: bytes
+    leases: bytes
+    history: bytes
+    signal: bytes
+    epoch: bytes
+    quarantine: bytes
+    raw: bytes
+
+
+class Layout:
+    """Key names for one namespace (``prefix``) split into ``buckets`` hash slots."""
+
+    def __init__(self, prefix: str, buckets: int = 1) -> None:
+        if not prefix or "{" in prefix or "}" in prefix:
+            raise ConfigurationError(
+                f"the redis key prefix must be non-empty and hold no braces, not {prefix!r} "
+                "(braces would change the cluster hash tag)"
+            )
+        if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 1:
+            raise ConfigurationError(f"buckets must be an integer >= 1, not {buckets!r}")
+        self.prefix = prefix
+        self.buckets = buckets
+        self._tags = [self._tag(bucket) for bucket in range(buckets)]
+        self._cache: dict[str, LockNames] = {}
+
+    def _tag(self, bucket: int) -> bytes:
+        text = self.prefix if self.buckets == 1 else f"{self.prefix}:{bucket}"
+        return b"{" + text.encode() + b"}:"
+
+    def bucket(self, key: str) -> int:
+        if self.buckets == 1:
+            return 0
+        return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.buckets
+
+    def names(self, key: str) -> LockNames:
+        """The keys of ``key``'s lock (cached: the hot path asks for the same few keys)."""
+        names = self._cache.get(key)
+        if names is None:
+            tag = self._tags[self.bucket(key)]
+            raw = key.encode("utf-8", "surrogatepass")
+            names = LockNames(
+                tag + b"lock:" + raw,
+                tag + b"state:" + raw,
+                tag + b"index",
+                tag + b"history",
+                tag + b"signal:" + raw,
+                tag + b"epoch",
+                tag + b"quarantine",
+                raw,
+            )
+            if len(self._cache) >= 4096:
+                self._cache.clear()
+            self._cache[key] = names
+        return names
+
+    def marker(self, key: str, task_name: str) -> bytes:
+        """The last-success marker of ``task_name`` on ``key``; the task name's length
+        keeps names unambiguous whatever either holds."""
+        task = task_name.encode("utf-8", "surrogatepass")
+        raw = key.encode("utf-8", "surrogatepass")
+        return self._tags[self.bucket(key)] + b"success:%d:" % len(task) + task + b":" + raw
+
+    def index(self, bucket: int) -> bytes:
+        return self._tags[bucket] + b"index"
+
+    def history(self, bucket: int) -> bytes:
+        return self._tags[bucket] + b"history"

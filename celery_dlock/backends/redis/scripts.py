@@ -1,0 +1,465 @@
+"""The Lua scripts of the Redis backend: every change to a lock is one of these, atomic.
+
+Conventions shared by the scripts that can end a lease (so ``end_lease`` needs no
+arguments for them):
+
+- ``KEYS``: 1 lock, 2 state, 3 index, 4 history, 5 signal, then the script's own keys.
+- ``ARGV``: 1 history maxlen, 2 state retention in ms once the key is free, 3 signal
+  retention in ms, then the script's own arguments.
+
+Stored form (:mod:`celery_dlock.backends.redis.fields` reads it back):
+
+- ``lock``: a string holding the token, expiring by Redis's clock (``PXAT``), or not at all.
+- ``state``: a hash ``fence, tok, holder, acq, exp`` for the lease, kept until the lease is
+  recorded, so a lease that Redis expired can still be recorded; ``tok`` is empty once it
+  is (the other fields then linger until the next lease). ``rtok, rel, rexp`` name the
+  last release: a retried release finds its first attempt there. ``wt`` is the time (ms)
+  until which a waiter may be blocked on the signal list: releases wake only then. The
+  hash expires the retention after the lease's expiry (or after its release, for a lease
+  without expiry); the fence then restarts from Redis's clock.
+- ``index``: a sorted set of keys with a lease, scored by expiry in ms (``+inf``: none).
+- ``history``: a stream of records, fields ``key tok fence holder acq exp rel out prob det
+  res``; ``prob det res`` are JSON texts. Entry ids are the release time in ms.
+- ``signal``: a list that holds one wake-up for a waiter for a short while after a release.
+
+Replies are one space-separated string where a script returns several values (``-`` for
+no expiry): one bulk string parses faster than an array, in redis-py and here.
+
+Times (``acq``, ``exp``, ``rel``) are stored as decimal seconds since the epoch,
+``1795283662.263032``: from Redis's clock (``TIME``) in the scripts, from the caller's
+float (its ``repr``) in ``add_record``; either reads back as the very same float.
+Scripts compute with integer microseconds and milliseconds, and numbers leave Lua only
+through ``string.format``: Lua 5.1 prints numbers with 14 digits, fences have 16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ACQUIRE",
+    "ADD",
+    "DUE",
+    "EXPIRE",
+    "FORCE",
+    "PEEK",
+    "PROBE",
+    "PRUNE",
+    "RELEASE",
+    "RENEW",
+    "Script",
+    "bulks",
+]
+
+
+@dataclass(frozen=True)
+class Script:
+    """A Lua script, its SHA-1 (the name ``EVALSHA`` knows it by), and the first two parts
+    of the command that runs it, packed: ``EVALSHA sha`` and, after a ``NOSCRIPT``,
+    ``EVAL source``."""
+
+    name: str
+    source: str
+    sha: str = field(init=False)
+    by_sha: bytes = field(init=False, repr=False)
+    by_source: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sha = hashlib.sha1(self.source.encode()).hexdigest()
+        object.__setattr__(self, "sha", sha)
+        object.__setattr__(self, "by_sha", bulks(["EVALSHA", sha]))
+        object.__setattr__(self, "by_source", bulks(["EVAL", self.source]))
+
+
+def bulks(parts: Iterable[bytes | str | int]) -> bytes:
+    """``parts`` as RESP bulk strings, for a command packed here: redis-py's packer costs
+    8 µs for the 21 parts of an acquire, this 3, and 1 with each key's constant parts
+    packed once (``RedisBackend._packed``). Text is ASCII or UTF-8; keys come as bytes."""
+    out = []
+    for part in parts:
+        if isinstance(part, str):
+            data = part.encode()
+        elif isinstance(part, int):
+            data = b"%d" % part
+        else:
+            data = part
+        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+_PRELUDE = """
+local function int(n)
+  return string.format('%d', n)
+end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- keep_state: the lease's expiry in ms or nil | the state hash kept the retention past it
+local function keep_state(exp_ms)
+  if exp_ms then
+    redis.call('PEXPIREAT', KEYS[2], int(exp_ms + tonumber(ARGV[2])))
+  else
+    redis.call('PERSIST', KEYS[2])
+  end
+end
+
+-- seconds: microseconds | decimal seconds
+local function seconds(us)
+  return string.format('%d.%06d', math.floor(us / 1000000), us % 1000000)
+end
+
+-- ms_seconds: milliseconds | decimal seconds
+local function ms_seconds(ms)
+  return string.format('%d.%03d', math.floor(ms / 1000), ms % 1000)
+end
+
+-- wake: KEYS[5] signal | one wake-up left in the signal list for the first waiter
+local function wake()
+  if redis.call('LPUSH', KEYS[5], '1') > 1 then
+    redis.call('LTRIM', KEYS[5], 0, 0)
+  end
+  redis.call('PEXPIRE', KEYS[5], ARGV[3])
+end
+
+-- live: a state's token field | whether it names a lease not yet recorded
+local function live(token)
+  return token and token ~= ''
+end
+
+-- end_lease: the lease in KEYS[2], key, outcome, JSON of problem/details/result, release
+-- time, wake?, success marker or nil, its retention, the token of a release to remember
+-- or nil, the state as read by STATE or nil | the record's fields, now in history
+local STATE = {'tok', 'fence', 'holder', 'acq', 'exp', 'wt'}
+local function end_lease(key, outcome, prob, det, res, rel, waking, marker, marker_ms, token, s)
+  s = s or redis.call('HMGET', KEYS[2], unpack(STATE))
+  local fields = {'key', key, 'tok', s[1], 'fence', s[2], 'holder', s[3], 'acq', s[4],
+                  'exp', s[5], 'rel', seconds(rel), 'out', outcome, 'prob', prob, 'det', det,
+                  'res', res}
+  local id = int(math.floor(rel / 1000)) .. '-*'
+  local added = redis.pcall('XADD', KEYS[4], 'MAXLEN', '~', ARGV[1], id, unpack(fields))
+  if type(added) == 'table' and added.err then
+    -- Redis's clock went back below the newest entry: keep stream order, take its id.
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
+  end
+  if marker then
+    redis.call('HSET', marker, unpack(fields))
+    redis.call('PEXPIRE', marker, marker_ms)
+  end
+  if token then
+    redis.call('HSET', KEYS[2], 'tok', '', 'rtok', token, 'rel', fields[14], 'rexp', s[5])
+  else
+    redis.call('HSET', KEYS[2], 'tok', '')
+  end
+  if s[5] == '' then
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+  end
+  redis.call('ZREM', KEYS[3], key)
+  if waking and s[6] and tonumber(s[6]) * 1000 > rel then
+    wake()
+  end
+  return fields
+end
+"""
+
+
+def _script(name: str, body: str) -> Script:
+    """A script that may end a lease: its header comment, then the shared functions."""
+    lines = body.lstrip("\n").split("\n")
+    header = 0
+    while lines[header].startswith("--"):
+        header += 1
+    return Script(name, "\n".join([*lines[:header], _PRELUDE.strip("\n"), *lines[header:]]))
+
+
+ACQUIRE = _script(
+    "acquire",
+    """
+-- acquire: KEYS +6 epoch, 7 quarantine | ARGV +4 key, token, ttl ms or '', holder JSON,
+-- epoch this client saw or '', quarantine ms, token of a live lease to take over or '',
+-- details JSON for its record
+-- | 'fence acq exp epoch' taken; '0 epoch' held by another, or quarantined ('-': the
+-- epoch was not read)
+local key, token, ttl, replace = ARGV[4], ARGV[5], ARGV[6], ARGV[10]
+local now = now_us()
+local s = redis.call('HMGET', KEYS[2], 'fence', 'tok')
+local epoch = '-'
+if not s[1] or ARGV[8] == '' then
+  -- A key without state: new, idle past the retention, or lost with all of Redis's data.
+  -- Only then can the epoch be gone, and every key is without state after such a loss.
+  local e = redis.call('MGET', KEYS[6], KEYS[7])
+  epoch = e[1]
+  if not epoch then
+    -- No epoch: first use, or Redis lost its data (restart without persistence, failover
+    -- to an empty replica, FLUSHDB). Locks held then are gone while their holders may
+    -- still run, so nobody gets one for a while. A client that saw the old epoch knows
+    -- it was a loss; one that never saw any cannot tell, so it waits out what is left of
+    -- the quarantine since the server started (a restart is the usual loss).
+    epoch = int(now)
+    redis.call('SET', KEYS[6], epoch)
+    local quiet = tonumber(ARGV[9])
+    if ARGV[8] == '' and quiet > 0 then
+      local info = redis.call('INFO', 'server')
+      quiet = quiet - 1000 * tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+    end
+    if quiet > 0 then
+      redis.call('SET', KEYS[7], epoch, 'PX', quiet)
+      return '0 ' .. epoch
+    end
+  elseif e[2] then
+    return '0 ' .. epoch
+  elseif ARGV[8] ~= '' and ARGV[8] ~= epoch and tonumber(ARGV[9]) > 0 then
+    -- This client saw an older epoch: the data was lost and the loss first met by a client
+    -- that could not know it. Stop granting locks for the quarantine from now on.
+    redis.call('SET', KEYS[7], epoch, 'PX', ARGV[9])
+    return '0 ' .. epoch
+  end
+end
+local exp_ms, exp = nil, ''
+local taken
+if ttl == '' then
+  taken = redis.call('SET', KEYS[1], token, 'NX')
+else
+  exp_ms = int(math.floor(now / 1000) + tonumber(ttl))
+  exp = ms_seconds(exp_ms)
+  taken = redis.call('SET', KEYS[1], token, 'NX', 'PXAT', exp_ms)
+end
+if not taken then
+  local current = redis.call('GET', KEYS[1])
+  if current == token then
+    -- This very acquire ran before and its reply was lost: the lease is ours.
+    local kept = redis.call('HMGET', KEYS[2], 'fence', 'acq', 'exp')
+    if kept[3] == '' then
+      kept[3] = '-'
+    end
+    return table.concat({kept[1], kept[2], kept[3], epoch}, ' ')
+  end
+  if replace == '' or current ~= replace then
+    return '0 ' .. epoch
+  end
+  -- A task's retry continues its own attempt: that lease ends 'retried'.
+  end_lease(key, 'retried', 'null', ARGV[11], 'null', now, false, nil, nil, nil, nil)
+  s[2] = nil
+  if exp_ms then
+    redis.call('SET', KEYS[1], token, 'PXAT', exp_ms)
+  else
+    redis.call('SET', KEYS[1], token)
+  end
+end
+if live(s[2]) then
+  -- The lock key was gone but its lease was never recorded: Redis expired it.
+  end_lease(key, 'expired', '"expired"', 'null', 'null', now, false, nil, nil, nil, nil)
+end
+-- Fences go up by one per acquisition. A key with no state (new, idle past the retention,
+-- or lost with Redis's data) starts at Redis's clock in microseconds, above every fence
+-- given before: each acquisition takes Redis more than a microsecond.
+local fence = now
+if s[1] then
+  fence = tonumber(s[1]) + 1
+end
+redis.call('HSET', KEYS[2], 'fence', int(fence), 'tok', token, 'holder', ARGV[7],
+           'acq', seconds(now), 'exp', exp)
+keep_state(exp_ms)
+redis.call('ZADD', KEYS[3], exp_ms or '+inf', key)
+if exp == '' then
+  exp = '-'
+end
+return table.concat({int(fence), seconds(now), exp, epoch}, ' ')
+""",
+)
+
+RELEASE = _script(
+    "release",
+    """
+-- release: KEYS +6 success marker (only for a success with a result and a task name)
+-- | ARGV +4 key, token, outcome, problem JSON, details JSON, result JSON, retry flag,
+-- marker ms | 'rel exp' released (also when a retry finds its first attempt did it); 0 not
+-- ours (if it was ours until Redis expired it, that is recorded now)
+local key, token = ARGV[4], ARGV[5]
+-- While the lock key exists it holds the state's token: only these scripts write either.
+local s = redis.call('HMGET', KEYS[2], 'tok', 'fence', 'holder', 'acq', 'exp', 'wt', 'rtok',
+                     'rel', 'rexp')
+if s[1] ~= token then
+  if ARGV[10] == '1' and s[7] == token then
+    if s[9] == '' then
+      s[9] = '-'
+    end
+    return s[8] .. ' ' .. s[9]
+  end
+  return 0
+end
+if redis.call('DEL', KEYS[1]) == 0 then
+  end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, nil, nil, nil, s)
+  return 0
+end
+local f = end_lease(key, ARGV[6], ARGV[7], ARGV[8], ARGV[9], now_us(), true, KEYS[6], ARGV[11],
+                   token, s)
+if f[12] == '' then
+  return f[14] .. ' -'
+end
+return f[14] .. ' ' .. f[12]
+""",
+)
+
+RENEW = _script(
+    "renew",
+    """
+-- renew: ARGV +4 key, token, ttl ms or '' | 'exp' renewed ('-': none); 0 not ours
+local key, token, ttl = ARGV[4], ARGV[5], ARGV[6]
+if redis.call('GET', KEYS[1]) ~= token then
+  -- Never revive a lock Redis expired (nor send PEXPIRE 0, which deletes): record it.
+  if redis.call('HGET', KEYS[2], 'tok') == token then
+    end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, nil, nil, nil, nil)
+  end
+  return 0
+end
+local exp = ''
+local exp_ms = nil
+if ttl == '' then
+  redis.call('PERSIST', KEYS[1])
+  redis.call('ZADD', KEYS[3], '+inf', key)
+else
+  exp_ms = math.floor(now_us() / 1000) + tonumber(ttl)
+  exp = ms_seconds(exp_ms)
+  redis.call('PEXPIREAT', KEYS[1], int(exp_ms))
+  redis.call('ZADD', KEYS[3], int(exp_ms), key)
+end
+redis.call('HSET', KEYS[2], 'exp', exp)
+keep_state(exp_ms)
+if exp == '' then
+  return '-'
+end
+return exp
+""",
+)
+
+EXPIRE = _script(
+    "expire",
+    """
+-- expire: ARGV +4 key | the record's fields if the key's lease had expired unrecorded
+-- (now recorded 'expired'), else {} (alive, or already recorded by someone else)
+local key = ARGV[4]
+local token = redis.call('HGET', KEYS[2], 'tok')
+if not live(token) then
+  redis.call('ZREM', KEYS[3], key)
+  return {}
+end
+if redis.call('GET', KEYS[1]) == token then
+  return {}
+end
+return end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, nil, nil, nil, nil)
+""",
+)
+
+FORCE = _script(
+    "force",
+    """
+-- force: ARGV +4 key, details JSON | the record's fields, recorded 'forced'; {} if free
+local key = ARGV[4]
+local token = redis.call('HGET', KEYS[2], 'tok')
+if not live(token) then
+  return {}
+end
+if redis.call('GET', KEYS[1]) ~= token then
+  end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, nil, nil, nil, nil)
+  return {}
+end
+redis.call('DEL', KEYS[1])
+return end_lease(key, 'forced', '"forced"', ARGV[5], 'null', now_us(), true, nil, nil, nil, nil)
+""",
+)
+
+PEEK = Script(
+    "peek",
+    """
+-- peek: KEYS 1 lock, 2 state | {tok, fence, holder, acq, exp} of the live lease, or {}
+local token = redis.call('GET', KEYS[1])
+if not token then
+  return {}
+end
+local s = redis.call('HMGET', KEYS[2], 'tok', 'fence', 'holder', 'acq', 'exp')
+if s[1] ~= token then
+  return {}
+end
+return s
+""",
+)
+
+PROBE = Script(
+    "probe",
+    """
+-- probe: KEYS 1 lock, 2 quarantine, 3 state | ARGV 1 ms a waiter may block | ms until the
+-- key may be free: -2 free now, -1 held with no expiry. A held key's state notes that a
+-- waiter is coming, so that its release pushes a wake-up.
+local left = redis.call('PTTL', KEYS[1])
+if left == -2 then
+  local quarantine = redis.call('PTTL', KEYS[2])
+  if quarantine > 0 then
+    return quarantine
+  end
+  return left
+end
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+redis.call('HSET', KEYS[3], 'wt', string.format('%d', until_ms))
+return left
+""",
+)
+
+DUE = Script(
+    "due",
+    """
+-- due: KEYS 1 index | ARGV 1 limit | keys whose lease expired by Redis's clock, oldest first
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%d', now_ms),
+                  'LIMIT', 0, ARGV[1])
+""",
+)
+
+PRUNE = Script(
+    "prune",
+    """
+-- prune: KEYS 1 history | ARGV 1 before (seconds), 2 first and 3 last ms to look at one
+-- by one | how many records released before went
+local before = tonumber(ARGV[1])
+local gone = redis.call('XTRIM', KEYS[1], 'MINID', '=', ARGV[2])
+-- Entry ids are release times, but add_record's may be a millisecond off: near the cut,
+-- decide by each record's own release time.
+local near = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[3] .. '-18446744073709551615')
+for _, entry in ipairs(near) do
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'rel' and tonumber(f[i + 1]) < before then
+      gone = gone + redis.call('XDEL', KEYS[1], entry[1])
+    end
+  end
+end
+return gone
+""",
+)
+
+ADD = Script(
+    "add",
+    """
+-- add: KEYS 1 history[, 2 success marker] | ARGV 1 maxlen, 2 id ms, 3 marker ms, 4... the
+-- record's fields | 1
+local fields = {}
+for i = 4, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+local added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[2] .. '-*', unpack(fields))
+if type(added) == 'table' and added.err then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
+end
+if KEYS[2] then
+  redis.call('HSET', KEYS[2], unpack(fields))
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return 1
+""",
+)

@@ -1,0 +1,87 @@
+"""Redis URLs: ``redis://``, ``rediss://`` and ``unix://`` to connection settings (for
+redis-py) and backend options, every mistake named in a :class:`ConfigurationError`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from celery_dlock.backends import mask_url
+from celery_dlock.backends.base import flag, url_options
+from celery_dlock.errors import ConfigurationError
+
+__all__ = ["parse_url"]
+
+_TLS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
+_CONNECTION = ("socket_timeout", "socket_connect_timeout")
+_KNOWN: dict[str, Callable[[str], Any]] = {
+    "prefix": str,
+    "buckets": int,
+    "history_maxlen": int,
+    "success_ttl": float,
+    "gc_after": float,
+    "restart_delay": float,
+    "retries": int,
+    "socket_timeout": float,
+    "socket_connect_timeout": float,
+    "db": int,
+    "ssl_ca_certs": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": str,
+    "ssl_check_hostname": flag,
+}
+
+
+def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(connection, options)`` for ``url``: redis-py keyword arguments, and the backend's
+    own options (``prefix``...), with ``overrides`` on top of the URL's query.
+
+    Raises:
+        ConfigurationError: the URL is malformed or names an unknown or misplaced option.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    shown = mask_url(url)
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ConfigurationError(f"not a redis URL: {shown!r}")
+    options = url_options("redis", parts.query, _KNOWN, overrides)
+    connection = {name: options.pop(name) for name in _CONNECTION if name in options}
+    tls = {name: options.pop(name) for name in _TLS if name in options}
+    if tls and scheme != "rediss":
+        raise ConfigurationError(
+            f"options {', '.join(sorted(tls))} need a rediss:// URL, not {scheme}://"
+        )
+    db = options.pop("db", None)
+    if parts.username:
+        connection["username"] = unquote(parts.username)
+    if parts.password:
+        connection["password"] = unquote(parts.password)
+    if scheme == "unix":
+        path = unquote(parts.path)
+        if parts.hostname or not path:
+            raise ConfigurationError(
+                f"a unix socket URL looks like unix:///path/to/redis.sock?db=1, not {shown!r}"
+            )
+        connection["unix_socket_path"] = path
+    else:
+        try:
+            port = parts.port
+        except ValueError:
+            raise ConfigurationError(f"bad port in redis URL {shown!r}") from None
+        connection["host"] = parts.hostname or "localhost"
+        connection["port"] = port or 6379
+        path = parts.path.strip("/")
+        if path:
+            if db is not None:
+                raise ConfigurationError(f"redis URL {shown!r} gives db twice")
+            if not path.isdigit():
+                raise ConfigurationError(f"the path of redis URL {shown!r} must be a db number")
+            db = int(path)
+        if scheme == "rediss":
+            connection.update(ssl=True, **tls)
+    if db is not None and db < 0:
+        raise ConfigurationError(f"db must be >= 0, not {db}")
+    connection["db"] = db or 0
+    return connection, options

@@ -1,0 +1,636 @@
+"""Redis backend promises beyond the contract, on the shared Redis (DB 1, a key prefix of
+its own per test): URLs and options, one hash slot per lock, round trips, ambiguous
+replies, the capped history and the markers, reaping by index, processes and crashes.
+
+Tests that restart Redis, use a unix socket or flush scripts run a private server:
+``test_redis_server.py``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from test_contract import KEYS, eventually
+
+from celery_dlock import BackendError, ConfigurationError, Holder, Lock, Outcome
+from celery_dlock.backends import backend_from_url
+
+redis = pytest.importorskip("redis")
+
+from dlock_support import unavailable  # noqa: E402
+from helpers.countingproxy import CountingProxy  # noqa: E402
+from stores.redis import URL, delete_prefix, store_url  # noqa: E402
+
+from celery_dlock.backends.redis import RedisBackend  # noqa: E402
+from celery_dlock.backends.redis.layout import Layout  # noqa: E402
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    """A namespace of our own on the shared Redis, deleted afterwards."""
+    client = redis.Redis.from_url(URL, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        unavailable(f"Redis is not reachable at {URL}: {exc}")
+    finally:
+        client.close()
+    name = f"tr{os.getpid()}-{next(_prefixes)}"
+    yield name
+    delete_prefix(URL, name)
+
+
+@pytest.fixture
+def raw() -> Iterator[Any]:
+    client = redis.Redis.from_url(URL)
+    yield client
+    client.close()
+
+
+def open_backend(prefix: str, base: str = URL, **options: object) -> RedisBackend:
+    backend = backend_from_url(store_url(prefix, base, **options))
+    assert isinstance(backend, RedisBackend)
+    return backend
+
+
+@pytest.fixture
+def backend(prefix: str) -> Iterator[RedisBackend]:
+    backend = open_backend(prefix)
+    yield backend
+    backend.close()
+
+
+def holder(task_name: str | None = None) -> Holder:
+    return Holder.current(task_name=task_name)
+
+
+# -- URLs and options (no I/O: from_url never connects) --------------------------------------
+
+
+def test_url_forms_build_the_connection_they_name() -> None:
+    tcp = RedisBackend.from_url("redis://:s3cret@cache.example:6380/3?prefix=jobs")
+    assert tcp._client.connection["host"] == "cache.example"
+    assert tcp._client.connection["port"] == 6380
+    assert tcp._client.connection["db"] == 3
+    assert tcp._client.connection["password"] == "s3cret"
+    assert "s3cret" not in tcp.url and "***" in tcp.url
+    assert tcp._layout.prefix == "jobs"
+
+    tls = RedisBackend.from_url("rediss://u:p@cache.example/0?ssl_cert_reqs=none&retries=0")
+    assert tls._client.connection["ssl"] is True
+    assert tls._client.connection["ssl_cert_reqs"] == "none"
+    assert tls._client.connection["username"] == "u"
+    assert tls._client.retries == 0
+
+    unix = RedisBackend.from_url("unix:///run/redis/redis.sock?db=2&history_maxlen=50")
+    assert unix._client.connection["unix_socket_path"] == "/run/redis/redis.sock"
+    assert unix._client.connection["db"] == 2
+    assert unix._common[0] == "50"
+
+    default = RedisBackend.from_url("redis://localhost")
+    assert default._client.connection["port"] == 6379 and default._client.connection["db"] == 0
+    assert default._layout.prefix == "dlock"
+
+
+def test_from_url_connects_to_nothing() -> None:
+    backend = RedisBackend.from_url(f"redis://127.0.0.1:{free_port()}/0?retries=0")
+    with pytest.raises(BackendError) as raised:
+        backend.get("job:x")
+    assert isinstance(raised.value.__cause__, redis.ConnectionError)
+    assert "redis get of 'job:x' failed" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "names"),
+    [
+        ("redis://localhost/0?prefx=jobs", "prefx"),
+        ("redis://localhost/0?ssl_ca_certs=/ca.pem", "rediss://"),
+        ("redis://localhost/abc", "db number"),
+        ("redis://localhost/1?db=2", "db twice"),
+        ("redis://localhost:99999/0", "bad port"),
+        ("redis://localhost/0?prefix=a{b}", "braces"),
+        ("redis://localhost/0?buckets=0", "buckets"),
+        ("redis://localhost/0?history_maxlen=0", "history_maxlen"),
+        ("redis://localhost/0?success_ttl=0", "success_ttl"),
+        ("redis://localhost/0?restart_delay=-1", "restart_delay"),
+        ("redis://localhost/0?retries=x", "retries"),
+        ("unix://", "unix:///path"),
+        ("unix://host/sock", "unix:///path"),
+    ],
+)
+def test_a_bad_url_gets_an_error_that_names_the_problem(url: str, names: str) -> None:
+    with pytest.raises(ConfigurationError, match=names.replace("?", r"\?")):
+        backend_from_url(url)
+
+
+# -- one hash slot per lock ----------------------------------------------------------------------
+
+
+def crc16(data: bytes) -> int:
+    """CRC-16/XMODEM, the hash of Redis Cluster (cluster-spec), written out here."""
+    crc = 0
+    for byte in data:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc
+
+
+def slot(name: bytes) -> int:
+    """The cluster slot of a key name: the hash tag's CRC16 (first '{' to the next '}')."""
+    start = name.find(b"{")
+    if start >= 0:
+        end = name.find(b"}", start + 1)
+        if end > start + 1:
+            name = name[start + 1 : end]
+    return crc16(name) % 16384
+
+
+def test_the_slot_function_is_redis_clusters() -> None:
+    assert crc16(b"123456789") == 0x31C3  # the spec's check value
+    for name in (b"foo", b"{user1000}.following", b"a{}b", b"{}{x}", b"job:\xc3\xbc{}"):
+        assert slot(name) == redis.crc.key_slot(name)
+
+
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_every_key_of_a_lock_and_what_it_writes_share_one_slot(
+    buckets: int, prefix: str, raw: Any
+) -> None:
+    layout = Layout(prefix, buckets)
+    keys = [*KEYS, "job:{x}", "job:}{", "{job}:x", "job:{", "job:}", "job::{}:"]
+    slots_used = set()
+    for key in keys:
+        names = layout.names(key)
+        all_names = [*names[:7], layout.marker(key, "tasks.{odd}:name")]
+        slots = {slot(name) for name in all_names}
+        assert len(slots) == 1, (key, all_names)
+        assert slots == {slot(layout.index(layout.bucket(key)))}
+        slots_used |= slots
+    assert len(slots_used) == buckets
+    # And in Redis: every key the backend wrote for a lock with braces in it.
+    backend = open_backend(prefix, buckets=buckets)
+    lease = backend.try_acquire("job:{x}:}", holder("t"), 60)
+    assert lease is not None
+    backend.release(lease, Outcome.SUCCEEDED, result=1)
+    written = list(raw.scan_iter(match=f"{{{prefix}*"))
+    assert len(written) >= 4  # state, index, history, epoch, marker...
+    assert len({slot(name) for name in written}) == 1
+    backend.close()
+
+
+# -- round trips ---------------------------------------------------------------------------------
+
+
+SERVER = urlsplit(URL)
+
+
+def via(proxy: CountingProxy) -> str:
+    """The store's URL, through ``proxy``."""
+    return f"redis://127.0.0.1:{proxy.port}{SERVER.path}"
+
+
+@pytest.fixture
+def proxy() -> Iterator[CountingProxy]:
+    with CountingProxy(SERVER.hostname or "127.0.0.1", SERVER.port or 6379) as counting:
+        yield counting
+
+
+def test_acquire_release_and_renew_take_one_round_trip_each(
+    proxy: CountingProxy, prefix: str
+) -> None:
+    backend = open_backend(prefix, via(proxy))
+    me = holder()
+    warm = backend.try_acquire("job:warm", me, 10)  # connects, loads the scripts
+    assert warm is not None
+    backend.release(warm, Outcome.SUCCEEDED)
+
+    proxy.reset()
+    lease = backend.try_acquire("job:rt", me, 10)
+    assert lease is not None
+    assert proxy.round_trips == 1
+    proxy.reset()
+    assert backend.try_acquire("job:rt", me, 10) is None
+    assert proxy.round_trips == 1
+    proxy.reset()
+    renewed = backend.renew(lease, 20)
+    assert renewed is not None
+    assert proxy.round_trips == 1
+    proxy.reset()
+    record = backend.release(renewed, Outcome.SUCCEEDED, result={"kept": True})
+    assert record is not None
+    assert proxy.round_trips == 1
+    backend.close()
+
+
+def test_wait_is_one_push_not_a_poll(proxy: CountingProxy, prefix: str) -> None:
+    backend = open_backend(prefix, via(proxy))
+    other = open_backend(prefix)
+    lease = other.try_acquire("job:push", holder(), None)
+    assert lease is not None
+    backend.wait("job:free", 1.0)  # connects and loads the probe
+    proxy.reset()
+    backend.wait("job:push", 0.5)  # held throughout: look once, block once
+    assert proxy.round_trips == 2
+
+    returned = threading.Event()
+    thread = threading.Thread(target=lambda: (backend.wait("job:push", 30), returned.set()))
+    thread.start()
+    eventually(lambda: our_waiters(other), "the waiter blocks in BLPOP")
+    other.release(lease, Outcome.SUCCEEDED)
+    assert returned.wait(10)
+    thread.join()
+    backend.close()
+    other.close()
+
+
+# -- replies that never come -----------------------------------------------------------------------
+
+
+class LossyProxy(CountingProxy):
+    """A proxy that can lose the server's reply to the next command: the command reaches
+    Redis and runs, then the connection is cut before the reply gets back."""
+
+    def __init__(self, host: str, port: int) -> None:
+        super().__init__(host, port)
+        self.lose = 0
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        import select
+
+        try:
+            while not self._closing.is_set():
+                readable, _, _ = select.select([client, server], [], [], 0.5)
+                for sock in readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    if sock is server and self.lose > 0:
+                        self.lose -= 1
+                        return  # the reply dies with the connection
+                    (server if sock is client else client).sendall(data)
+        except OSError:
+            return
+        finally:
+            for sock in (client, server):
+                sock.close()
+
+
+@pytest.fixture
+def lossy() -> Iterator[LossyProxy]:
+    with LossyProxy(SERVER.hostname or "127.0.0.1", SERVER.port or 6379) as proxy:
+        yield proxy
+
+
+def our_waiters(backend: RedisBackend) -> int | None:
+    """How many of our connections to this database are blocked in BLPOP (None if none)."""
+    listing = backend._client.command("test", "CLIENT", "LIST", "TYPE", "normal").decode()
+    db = f"db={int(SERVER.path.strip('/') or 0)}"
+    waiting = [
+        line
+        for line in listing.splitlines()
+        if "name=celery-dlock" in line and f" {db} " in line and "cmd=blpop" in line
+    ]
+    return len(waiting) or None
+
+
+def test_an_acquire_whose_reply_was_lost_is_read_back_as_ours(
+    lossy: LossyProxy, prefix: str
+) -> None:
+    backend = open_backend(prefix, via(lossy))
+    check = open_backend(prefix)
+    backend.get("job:warm")
+    lossy.lose = 1
+    lease = backend.try_acquire("job:lost-reply", holder(), None)
+    assert lossy.lose == 0  # the reply was lost
+    assert lease is not None  # the retry found the lease its first attempt made
+    held = check.get("job:lost-reply")
+    assert held == lease
+    record = backend.release(lease, Outcome.SUCCEEDED)
+    assert record is not None
+    assert [r.lease.token for r in check.history(key="job:lost-reply")] == [lease.token]
+    backend.close()
+    check.close()
+
+
+def test_a_release_whose_reply_was_lost_returns_its_record_once(
+    lossy: LossyProxy, prefix: str
+) -> None:
+    backend = open_backend(prefix, via(lossy))
+    lease = backend.try_acquire("job:lost-release", holder(), None)
+    assert lease is not None
+    lossy.lose = 1
+    record = backend.release(lease, Outcome.FAILED, "ValueError", "boom")
+    assert lossy.lose == 0
+    assert record is not None and record.outcome is Outcome.FAILED
+    assert backend.history(key="job:lost-release") == [record]
+    assert backend.release(lease, Outcome.FAILED) is None  # a second call is not a retry
+    backend.close()
+
+
+def test_an_acquire_lost_beyond_retries_leaves_no_orphan(lossy: LossyProxy, prefix: str) -> None:
+    backend = open_backend(prefix, via(lossy), retries=0)
+    check = open_backend(prefix)
+    backend.get("job:warm")
+    lossy.lose = 1
+    with pytest.raises(BackendError) as raised:
+        backend.try_acquire("job:orphan", holder(), None)
+    assert isinstance(raised.value.__cause__, redis.ConnectionError)
+    orphan = check.get("job:orphan")
+    assert orphan is not None  # it did land: ours, though nobody knows it yet
+    again = backend.try_acquire("job:orphan", holder(), None)  # Redis answers again
+    assert again is not None and again.fence > orphan.fence
+    [record] = check.history(key="job:orphan")
+    assert record.lease.token == orphan.token and record.outcome is Outcome.DISCONNECTED
+    backend.close()
+    check.close()
+
+
+class Interrupt(BaseException):
+    """Raised between a command's send and its read, as a Celery soft time limit can be."""
+
+
+def test_an_exception_between_send_and_read_leaves_no_stray_reply(backend: RedisBackend) -> None:
+    lease = backend.try_acquire("job:interrupted", holder(), None)
+    assert lease is not None
+    [connection] = backend._client.connections()._idle
+    read = connection.read_response
+
+    def interrupted(*args: object, **kwargs: object) -> object:
+        connection.read_response = read
+        raise Interrupt
+
+    connection.read_response = interrupted
+    with pytest.raises(Interrupt):
+        backend.get("job:interrupted")
+    # The next commands read their own replies, not the one left unread.
+    renewed = backend.renew(lease, 30)
+    assert renewed is not None and renewed.expires_at is not None
+    assert backend.try_acquire("job:other", holder(), None) is not None
+    assert backend.get("job:interrupted") == renewed
+
+
+# -- history and markers -------------------------------------------------------------------
+
+
+def test_the_history_stream_is_capped(prefix: str, raw: Any) -> None:
+    backend = open_backend(prefix, history_maxlen=10)
+    records = []
+    for _ in range(300):
+        lease = backend.try_acquire("job:cap", holder(), None)
+        assert lease is not None
+        records.append(backend.release(lease, Outcome.SUCCEEDED))
+    length = raw.xlen(f"{{{prefix}}}:history")
+    # MAXLEN ~ trims whole stream nodes (stream-node-max-entries, 100 by default).
+    assert 10 <= length < 10 + 100
+    assert backend.history(limit=3) == records[::-1][:3]
+    backend.close()
+
+
+def test_success_markers_expire_on_their_own_and_outlive_pruning(prefix: str, raw: Any) -> None:
+    backend = open_backend(prefix, success_ttl=3600)
+    lease = backend.try_acquire("job:once", holder("tasks.charge"), None)
+    assert lease is not None
+    success = backend.release(lease, Outcome.SUCCEEDED, result={"receipt": 7})
+    assert success is not None
+    marker = backend._layout.marker("job:once", "tasks.charge")
+    assert 0 < raw.pttl(marker) <= 3600 * 1000
+    assert raw.pttl(f"{{{prefix}}}:history") == -1  # history is capped, not expired
+    assert backend.prune_history(time.time() + 1) == 1
+    assert backend.history(key="job:once") == []
+    assert backend.last_success("job:once", "tasks.charge") == success
+    backend.close()
+
+
+def test_history_reads_back_every_stored_form(backend: RedisBackend) -> None:
+    me = holder("tasks.odd")
+    lease = backend.try_acquire("job:forms", me, 0.25)
+    assert lease is not None and lease.expires_at is not None
+    renewed = backend.renew(lease, 30)
+    assert renewed is not None
+    details = "\udcff lone surrogate, ünï, \x00 nul, 'quotes'"
+    record = backend.release(renewed, Outcome.FAILED, "x.Err", details, [1, None, "z"])
+    assert record is not None and record.lease == renewed
+    assert backend.history(key="job:forms") == [record]
+    assert backend.history(since=record.released_at) == [record]
+    assert backend.history(since=record.released_at + 1e-6) == []
+
+
+# -- reap ----------------------------------------------------------------------------------
+
+
+def test_concurrent_reapers_record_each_expired_lease_once(prefix: str) -> None:
+    backends = [open_backend(prefix) for _ in range(4)]
+    leases = [backends[0].try_acquire(f"job:r{n}", holder(), 0.2) for n in range(6)]
+    live = backends[0].try_acquire("job:live", holder(), None)
+    assert all(leases) and live is not None
+    eventually(lambda: backends[0].get("job:r5") is None or None, "expiry by Redis")
+    reaped: list[list[Any]] = []
+    threads = [threading.Thread(target=lambda b=b: reaped.append(b.reap())) for b in backends]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tokens = sorted(record.lease.token for batch in reaped for record in batch)
+    assert tokens == sorted(lease.token for lease in leases if lease is not None)
+    history = backends[0].history(limit=None)
+    assert sorted(record.lease.token for record in history) == tokens
+    assert {record.outcome for record in history} == {Outcome.EXPIRED}
+    assert backends[0].get("job:live") == live
+    for backend in backends:
+        backend.close()
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def test_a_forked_child_makes_its_own_connections(backend: RedisBackend) -> None:
+    lease = backend.try_acquire("job:fork", holder(), None)
+    assert lease is not None
+    parent = backend._client.connections()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own connections; the parent's stay the parent's
+        try:
+            fresh = backend._client.connections() is not parent
+            held = backend.get("job:fork") == lease
+            taken = backend.try_acquire("job:fork-child", holder(), None) is not None
+            os.write(write, json.dumps([fresh, held, taken]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        assert json.loads(pipe.read()) == [True, True, True]
+    assert backend._client.connections() is parent
+    assert backend.get("job:fork") == lease  # the parent's connections still work
+    assert backend.get("job:fork-child") is not None
+
+
+HOLDER = textwrap.dedent(
+    """
+    import json, sys, time
+    from celery_dlock import Lock
+    from celery_dlock.records import Holder
+    url, key, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    lock = Lock(url, key, ttl=ttl, holder=Holder.current(task_name="tests.renewing"))
+    print(json.dumps(lock.acquire().to_dict()), flush=True)
+    while True:
+        time.sleep(60)
+    """
+)
+
+
+def spawn(code: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+
+
+def kill(process: subprocess.Popen[str]) -> None:
+    process.kill()
+    process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
+
+
+def test_a_sigkilled_holder_stops_renewing_and_another_process_takes_over(
+    prefix: str, backend: RedisBackend
+) -> None:
+    from celery_dlock import Lease
+
+    process = spawn(HOLDER, store_url(prefix), "job:renewing", "0.6")
+    try:
+        assert process.stdout is not None
+        first = Lease.from_dict(json.loads(process.stdout.readline()))
+        assert first.expires_at is not None
+        # Alive: its renewal thread moves the expiry on, well past the first one.
+        eventually(
+            lambda: (
+                (
+                    (lease := backend.get("job:renewing")) is not None
+                    and lease.expires_at is not None
+                    and lease.expires_at > first.expires_at + 0.5
+                )
+                or None
+            ),
+            "renewals by the live holder",
+        )
+        assert backend.try_acquire("job:renewing", holder(), None) is None
+    finally:
+        kill(process)  # SIGKILL: the renewal thread dies with it
+    new = eventually(lambda: backend.try_acquire("job:renewing", holder(), None), "takeover")
+    assert new.fence > first.fence
+    [record] = [r for r in backend.history(key="job:renewing") if r.lease.token == first.token]
+    assert record.outcome is Outcome.EXPIRED
+    assert record.lease.holder.pid == process.pid
+    assert record.lease.expires_at is not None and record.lease.expires_at > first.expires_at
+
+
+def test_an_expired_and_retaken_lease_is_dead_to_its_old_holder(prefix: str) -> None:
+    old_holder, new_holder = open_backend(prefix), open_backend(prefix)
+    old = old_holder.try_acquire("job:retaken", holder(), 0.3)
+    assert old is not None
+    new = eventually(lambda: new_holder.try_acquire("job:retaken", holder(), 30), "takeover")
+    assert old_holder.renew(old, 30) is None
+    assert old_holder.release(old, Outcome.SUCCEEDED) is None
+    assert old_holder.force_release("job:retaken", "x") is not None  # only by name, on purpose
+    assert new_holder.release(new, Outcome.SUCCEEDED) is None
+    outcomes = [(r.lease.token, r.outcome) for r in new_holder.history(key="job:retaken")]
+    assert outcomes == [(new.token, Outcome.FORCED), (old.token, Outcome.EXPIRED)]
+    old_holder.close()
+    new_holder.close()
+
+
+def test_a_holder_cut_off_from_redis_loses_its_lease_by_redis_clock(
+    proxy: CountingProxy, prefix: str
+) -> None:
+    cut_off = open_backend(prefix, via(proxy), retries=0)
+    other = open_backend(prefix)
+    lease = cut_off.try_acquire("job:partition", holder(), 0.5)
+    assert lease is not None
+    proxy.close()  # the network between the holder and Redis is gone
+    with pytest.raises(BackendError):
+        cut_off.renew(lease, 0.5)
+    new = eventually(lambda: other.try_acquire("job:partition", holder(), None), "takeover")
+    assert new.fence > lease.fence
+    [record] = other.history(key="job:partition")
+    assert record.outcome is Outcome.EXPIRED and record.lease.token == lease.token
+    back = open_backend(prefix)  # the holder reaches Redis again: its lease is gone
+    assert back.release(lease, Outcome.SUCCEEDED) is None
+    assert back.renew(lease, 30) is None
+    assert other.get("job:partition") == new
+    for backend in (cut_off, other, back):
+        backend.close()
+
+
+def test_lock_waits_through_the_backend_for_a_release_in_another_process(
+    prefix: str, backend: RedisBackend
+) -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from celery_dlock import Lock
+        lock = Lock(sys.argv[1], sys.argv[2], ttl=30, wait=None)
+        print(lock.acquire().fence, flush=True)
+        sys.stdin.readline()
+        lock.release()
+        """
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, store_url(prefix), "job:handoff"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stdin is not None
+    fence = int(process.stdout.readline())
+    got: list[int] = []
+    waiter = threading.Thread(
+        target=lambda: got.append(Lock(backend, "job:handoff", ttl=30, wait=None).acquire().fence)
+    )
+    waiter.start()
+    process.stdin.write("release\n")
+    process.stdin.flush()
+    waiter.join(30)
+    assert process.wait(30) == 0
+    process.stdin.close()
+    process.stdout.close()
+    assert got and got[0] > fence
+
+
+# -- the doctor --------------------------------------------------------------------------------
+
+
+def test_server_time_and_diagnose(backend: RedisBackend) -> None:
+    now = backend.server_time()
+    assert abs(now - time.time()) < 60  # the same host's clock, give or take
+    checks = {check.name: check for check in backend.diagnose()}
+    assert set(checks) == {
+        "redis version",
+        "eviction",
+        "persistence",
+        "role",
+        "cluster mode",
+        "scripts",
+    }
+    assert checks["redis version"].ok and checks["scripts"].ok
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
