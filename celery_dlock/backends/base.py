@@ -76,7 +76,8 @@ class LockBackend(ABC):
     """One lock store behind one narrow interface.
 
     Methods that change a lock are atomic and compare on the lease's token: a backend never
-    deletes or overwrites a lock it does not own. Times are seconds since the epoch.
+    deletes or overwrites a lock it does not own. Times are seconds since the epoch, kept to
+    the microsecond.
     """
 
     #: Short name used in messages and the registry (``file``, ``postgres``...).

@@ -220,7 +220,7 @@ def test_add_record_keeps_a_skipped_attempt_in_history(backend: LockBackend) -> 
     blocker = backend.try_acquire("job:skip", holder(), None)
     assert blocker is not None
     skipped_by = holder("tasks.charge")
-    now = time.time()
+    now = round(time.time(), 6)  # stores keep times to the microsecond
     record = Record(
         Lease("job:skip", "f" * 32, 0, skipped_by, now),
         now,

@@ -365,8 +365,11 @@ def test_warm_shutdown_releases_a_lease_kept_for_a_retry(
     key = f"job:later:{order}"
     with running(tmp_path, redis_url, lock_url) as short_lived:
         short_lived.tasks.later.delay(order)
-        kept: Lease = until(lambda: short_lived.store.get(key), "the lease kept for the retry")
-        assert kept.expires_at is not None  # a backstop while the retry waits
+        # Kept: the attempt ended and its lease got a backstop expiry for the retry's wait.
+        kept: Lease = until(
+            lambda: (lease := short_lived.store.get(key)) and lease.expires_at and lease,
+            "the lease kept for the retry",
+        )
         assert short_lived.store.try_acquire(key, Holder.current(), None) is None
     # The worker stopped (warm shutdown): what it kept is released and recorded.
     store = backend_from_url(lock_url)

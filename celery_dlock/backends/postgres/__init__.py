@@ -1,0 +1,474 @@
+"""Locks in PostgreSQL: a visible locks table, kept alive by advisory locks.
+
+URL
+    ``postgresql://user:password@host:5432/dbname?schema=dlock`` (also
+    ``postgresql+psycopg://`` and ``postgres://``; libpq's URI rules apply, e.g.
+    ``?host=/var/run/postgresql`` for a Unix socket).
+
+Options
+    ``schema`` (default ``dlock``) and ``table_prefix`` (default empty): where the tables
+    live; lower-case letters, digits and ``_``.
+    ``auto_migrate`` (bool, default false): create missing tables on first use instead of
+    raising; otherwise call :meth:`PostgresBackend.migrate` (idempotent) once.
+    ``synchronous_commit`` (bool, default false): wait for the WAL flush on every acquire and
+    release (see durability below).
+    ``keepalives_idle``, ``keepalives_interval``, ``keepalives_count`` (seconds, seconds,
+    probes; default 10, 5, 3) and ``tcp_user_timeout`` (milliseconds, default 30000): libpq's
+    own parameters and units, set on our connections and mirrored to the server's
+    ``tcp_keepalives_*`` and ``tcp_user_timeout``, so each end notices a vanished peer in
+    about 25 s.
+    ``max_waiters`` (default 8): waiter connections per process; more threads waiting at
+    once than that poll every 25-50 ms instead.
+    libpq parameters pass through unchanged: ``sslmode``, ``sslrootcert``, ``sslcert``,
+    ``sslkey``, ``application_name``, ``connect_timeout`` (default 10), ``options``,
+    ``target_session_attrs``... (``LIBPQ_PARAMETERS``). Anything else is an error naming it.
+
+Guarantees
+    liveness: each lease's holder also holds an advisory lock keyed on the lease's fence
+    (over a 32-bit space from the schema's name, so schemas can share a database) on its lock
+    session: one dedicated, unpooled connection per process. A lease is dead once no session
+    holds that lock (``pg_locks``): its process died, its connection broke, or the server
+    ended the session. ``try_acquire`` then takes the key over and records
+    ``disconnected``; an optional ``ttl`` (judged by the server's clock) also frees a hung
+    but connected holder (``expired``). Server-side TCP keepalives notice a vanished host in
+    about 25 s. A transaction-mode pooler (the backend pid changes between transactions) is
+    refused.
+    fences: from one sequence (``CACHE 1``); grants of a key are serialised, so fences
+    increase per key in the order of grants, across clients and restarts.
+    crash: when the lock session ends, every lease it held is lost: its ``release`` and
+    ``renew`` return None, and the next taker or ``reap()`` records it ``disconnected``.
+    clock skew: expiry uses the server's clock only.
+    partition: a holder cut off from the server keeps its lease until the server notices
+    (keepalives); then the lease is taken over, and the holder's release returns None.
+    durability: the lock session commits asynchronously unless ``synchronous_commit`` is on.
+    Mutual exclusion does not depend on it: the UNLOGGED locks table and the advisory locks
+    both die with a server crash. A crash of the server can lose the last ~0.6 s
+    (3 x ``wal_writer_delay``) of history records; ``once`` success markers are committed
+    durably all the same (their release waits for the WAL flush), so a task that succeeded
+    never runs again because of a crash. Fences never
+    repeat: a crash empties the UNLOGGED ``fence_guard`` table, and the first session after it
+    moves the sequence up by 10**9 with a synchronous commit.
+    wait: woken by the server, first come first served: the waiters of a key queue on a
+    per-key advisory lock, the first of them waits on the holder's advisory lock (under a
+    transaction-local ``lock_timeout``), and a release wakes that one only. A process that
+    releases a key others wait for lets them have it before it takes it again.
+
+Install
+    ``pip install 'celery-dlock[postgres]'`` (psycopg 3); PostgreSQL 12 or newer. Optional:
+    SQLAlchemy for :func:`celery_dlock.backends.postgres.schema.metadata` (Alembic).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from typing import Any, ClassVar
+
+import psycopg
+from psycopg.types.numeric import Int8
+
+from celery_dlock.backends.base import Capabilities, LockBackend, ProcessLocal, validate_ttl
+from celery_dlock.backends.postgres import rows
+from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url, translate
+from celery_dlock.backends.postgres.recovery import (
+    failed,
+    one,
+    refuse,
+    resolve_release,
+    undo_acquire,
+)
+from celery_dlock.backends.postgres.session import Client, Session, migrate
+from celery_dlock.errors import BackendError
+from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, new_token
+
+__all__ = ["LIBPQ_PARAMETERS", "PostgresBackend"]
+
+#: Bytes of UTF-8 kept of a record's ``problem`` (an exception's type name, normally).
+PROBLEM_LIMIT = 1024
+_PRUNE_BATCH = 10_000
+#: Seconds between sweeps of the advisory locks a session holds (see ``_sweep``).
+_SWEEP_EVERY = 1.0
+
+
+class PostgresBackend(LockBackend):
+    """Locks in a PostgreSQL table, alive while their holder's lock session holds an
+    advisory lock on the lease's fence. Makes no connection until first used."""
+
+    name = "postgres"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        liveness="session",
+        push_wait=True,
+        cross_process=True,
+        cross_host=True,
+        durable_history=True,
+        server_clock=True,
+    )
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self._config = parse_url(url, options)
+        self.url = self._config.url
+        self.schema = self._config.statements.names.schema
+        self._sql = self._config.statements
+        self._clients: ProcessLocal[Client] = ProcessLocal(lambda: Client(self._config))
+        self._holder_cache: tuple[Holder, str] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresBackend:
+        return cls(url, **options)
+
+    def migrate(self) -> None:
+        """Create the schema, sequence, tables and indexes if missing (idempotent; safe to
+        run from several processes at once). Needs CREATE rights on the database.
+
+        Raises:
+            BackendError: the server failed or refused.
+        """
+        migrate(self._config)
+
+    # -- acquire and release -------------------------------------------------------------
+
+    def try_acquire(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+    ) -> Lease | None:
+        ttl = validate_ttl(ttl)
+        params: dict[str, Any] = {"key": key, "token": new_token(), "ttl": ttl}
+        params |= {"holder": self._holder_json(holder), "replace": replace}
+        client = self._clients.get()
+        baton = client.take_baton(key)
+        # A process that has just released a key for which others wait lets the first of
+        # them have it, instead of taking it straight back (see ``release``).
+        polite = baton is None and replace is None and client.yielding(key)
+        try:
+            with client.mutex:
+                row = self._acquire(client, holder, params, polite=polite)
+        except BaseException:
+            if baton is not None:
+                client.end_wait(baton)
+            raise
+        if baton is not None:
+            if row is None:
+                client.keep_baton(key, baton)  # still first in line for the key
+            else:
+                client.end_wait_later(baton)  # the next waiter now queues on us, server-side
+        if row is None:
+            return None
+        return Lease(key, params["token"], row[0], holder, row[1], row[2])
+
+    def _acquire(
+        self, client: Client, holder: Holder, params: dict[str, Any], *, polite: bool
+    ) -> Any:
+        """One attempt under the session mutex: (fence, acquired_at, expires_at) or None."""
+        session = client.open()
+        try:
+            if session.held and time.monotonic() - session.swept > _SWEEP_EVERY:
+                self._sweep(session)
+            statement = self._sql.acquire_politely if polite else self._sql.acquire
+            row = one(session, statement, params)
+            if row is None and polite:
+                return None  # held, or left to a waiter: either way, not now
+            if row is None:  # held: take over if its holder is gone, expired or replaced
+                row = self._take_over(session, holder, params)
+        except psycopg.Error as exc:
+            failed(client, session, exc, self.url, "acquire")
+            raise undo_acquire(client, params, exc, self.url) from exc
+        if row is None:
+            return None
+        fence = int(row[0])
+        if not row[3] or row[4] != session.pid:
+            raise refuse(client, params, fence, self.url, pooled=row[4] != session.pid)
+        session.held[fence] = params["key"]
+        return (fence, row[1], row[2])
+
+    def _take_over(self, session: Session, holder: Holder, params: dict[str, Any]) -> Any:
+        """Take the key from a holder that is gone, expired or being replaced by its retry,
+        recording the old lease in the same statement; None while its holder lives."""
+        params["retried"] = f"continued by its retry: {holder.describe()}"
+        params["held"] = list(session.held)
+        row = one(session, self._sql.take_over, params)
+        if row is None:
+            return None
+        if row[7] is not None:  # the old lease was this session's: its lock is let go
+            session.held.pop(int(row[6]), None)
+        return row[1:6]
+
+    def _sweep(self, session: Session) -> None:
+        """Let go of advisory locks whose lease is gone without our release: taken over by
+        its retry in another process, force-released, or reaped after its ttl."""
+        params = {"fences": list(session.held), "keys": list(session.held.values())}
+        session.cursor.execute(self._sql.sweep, params, prepare=True)
+        for row in session.cursor.fetchall():
+            session.held.pop(int(row[0]), None)
+        session.swept = time.monotonic()
+
+    def release(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None = None,
+        details: str | None = None,
+        result: Any = None,
+    ) -> Record | None:
+        outcome = Outcome(outcome)
+        problem = rows.text(problem, PROBLEM_LIMIT)
+        details = rows.text(details, DETAILS_LIMIT)
+        result_json, result = rows.result_json(result)
+        params: dict[str, Any] = {"key": lease.key, "token": lease.token}
+        params |= {"outcome": outcome.value, "problem": problem, "details": details}
+        params["result"] = result_json
+        if rows.remembered(lease, outcome, result):
+            statement = self._sql.release_success
+        elif problem is None and details is None and result_json is None:
+            statement = self._sql.release_bare
+        else:
+            statement = self._sql.release
+        client = self._clients.get()
+        client.drop_baton()
+        with client.mutex:
+            row = self._release(client, lease, outcome, statement, params)
+        if row is None or isinstance(row, Record):
+            return row
+        if row[5]:
+            client.yield_to_waiters(lease.key)
+        if row[1] == Outcome.EXPIRED.value and outcome is not Outcome.EXPIRED:
+            return None  # it ran out before the release: recorded as expired
+        held = Lease(lease.key, lease.token, lease.fence, lease.holder, row[2], row[3])
+        return Record(held, row[0], outcome, problem, details, result)
+
+    def _release(
+        self,
+        client: Client,
+        lease: Lease,
+        outcome: Outcome,
+        statement: str,
+        params: dict[str, Any],
+    ) -> Any:
+        """The release statement under the session mutex: its row, a record read back after
+        the session ended under it, or None."""
+        if lease.fence in client.lost:
+            client.lost.discard(lease.fence)
+            return None
+        session = client.open()
+        params["unlock"] = unlock = lease.fence in session.held
+        try:
+            row = one(session, statement, params)
+            if row is None and unlock:  # not ours any more, but its lock still is
+                one(session, self._sql.unlock, {"fence": lease.fence})
+        except psycopg.Error as exc:
+            failed(client, session, exc, self.url, "release")
+            return resolve_release(client, lease, outcome, exc, self.url)
+        if unlock:
+            session.held.pop(lease.fence, None)
+        return row
+
+    def add_record(self, record: Record) -> None:
+        lease = record.lease
+        outcome = Outcome(record.outcome)
+        result_json, _ = rows.result_json(record.result)
+        params = {
+            "token": lease.token,
+            "key": lease.key,
+            "fence": Int8(lease.fence),
+            "holder": self._holder_json(lease.holder),
+            "acquired_at": rows.timestamp(lease.acquired_at),
+            "expires_at": None if lease.expires_at is None else rows.timestamp(lease.expires_at),
+            "released_at": rows.timestamp(record.released_at),
+            "outcome": outcome.value,
+            "problem": rows.text(record.problem, PROBLEM_LIMIT),
+            "details": rows.text(record.details, DETAILS_LIMIT),
+            "result": result_json,
+        }
+        remembered = rows.remembered(lease, outcome, record.result)
+        statement = self._sql.add_record_success if remembered else self._sql.add_record
+        self._write(statement, params, "add_record")
+
+    def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
+        ttl = validate_ttl(ttl)
+        params = {"key": lease.key, "token": lease.token, "ttl": ttl}
+        client = self._clients.get()
+        client.drop_baton()
+        with client.mutex:
+            if lease.fence in client.lost:
+                return None
+            session = client.open()
+            try:
+                row = one(session, self._sql.renew, params)
+            except psycopg.Error as exc:
+                failed(client, session, exc, self.url, "renew")
+                return None  # the session ended: whatever landed, the lease died with it
+        if row is None:
+            return None
+        return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def get(self, key: str) -> Lease | None:
+        found = self._read(self._sql.get, {"key": key}, "get")
+        return rows.lease(found[0]) if found else None
+
+    def leases(self, prefix: str = "") -> list[Lease]:
+        return [rows.lease(r) for r in self._read(self._sql.leases, {"prefix": prefix}, "leases")]
+
+    def history(
+        self,
+        key: str | None = None,
+        outcome: Outcome | None = None,
+        since: float | None = None,
+        limit: int | None = 100,
+    ) -> list[Record]:
+        since_at = None if since is None else rows.timestamp(since)
+        outcome_text = None if outcome is None else Outcome(outcome).value
+        statement, params = self._sql.history_of(key, outcome_text, since_at, limit)
+        return [rows.record(r) for r in self._read(statement, params, "history")]
+
+    def last_success(self, key: str, task_name: str) -> Record | None:
+        params = {"key": key, "task_name": task_name}
+        found = self._read(self._sql.last_success, params, "last_success")
+        return rows.record(found[0]) if found else None
+
+    # -- janitor and operator ------------------------------------------------------------------
+
+    def reap(self, limit: int = 100) -> list[Record]:
+        return self._clear(self._sql.reap, {"limit": Int8(limit)}, "reap")
+
+    def force_release(self, key: str, reason: str) -> Record | None:
+        params = {"key": key, "reason": rows.text(reason, DETAILS_LIMIT)}
+        records = self._clear(self._sql.force_release, params, "force_release")
+        return records[0] if records else None
+
+    def _clear(self, statement: str, params: dict[str, Any], what: str) -> list[Record]:
+        """Run a statement that clears leases and returns their records (+ an unlock column)."""
+        client = self._clients.get()
+        client.drop_baton()
+        with client.mutex:
+            session = client.open()
+            params["held"] = list(session.held)
+            try:
+                session.cursor.execute(statement, params, prepare=True)
+                found = session.cursor.fetchall()
+            except psycopg.Error as exc:
+                failed(client, session, exc, self.url, what)
+                raise BackendError(f"postgres {what}: the lock session ended", self.url) from exc
+            for row in found:
+                if row[-1] is not None:
+                    session.held.pop(int(row[2]), None)
+        return [rows.record(row) for row in found]
+
+    def prune_history(self, before: float) -> int:
+        params = {"before": rows.timestamp(before), "batch": Int8(_PRUNE_BATCH)}
+        pruned = 0
+        while True:
+            deleted = self._write(self._sql.prune, params, "prune_history")
+            pruned += deleted
+            if deleted < _PRUNE_BATCH:
+                return pruned
+
+    def _write(self, statement: str, params: dict[str, Any], what: str) -> int:
+        """Run a statement on the lock session; the number of rows it changed."""
+        client = self._clients.get()
+        client.drop_baton()
+        with client.mutex:
+            session = client.open()
+            try:
+                session.cursor.execute(statement, params, prepare=True)
+            except psycopg.Error as exc:
+                failed(client, session, exc, self.url, what)
+                raise BackendError(f"postgres {what}: the lock session ended", self.url) from exc
+            return session.cursor.rowcount
+
+    # -- waiting -------------------------------------------------------------------------
+
+    def wait(self, key: str, timeout: float) -> None:
+        self.wait_released(key, timeout)
+
+    def wait_released(self, key: str, timeout: float) -> bool:
+        """Block until ``key``'s holder lets go (or is gone, or its lease expires), at most
+        ``timeout`` seconds, woken by the server (see the module's ``wait``).
+
+        The waiter connection stays with this thread until its next call, so that its next
+        ``try_acquire`` of ``key`` goes first.
+
+        Returns:
+            True if the key may be free now, False if the timeout ran out first.
+        """
+        client = self._clients.get()
+        conn = client.take_baton(key)
+        if timeout <= 0:
+            if conn is not None:
+                client.keep_baton(key, conn)
+            return False
+        params = {"key": key, "ms": max(1, math.ceil(timeout * 1000))}
+        queued = conn is not None
+        conn = conn or client.check_out()
+        if conn is None:  # max_waiters are busy: poll
+            time.sleep(min(timeout, random.uniform(0.025, 0.05)))
+            return True
+        try:
+            cursor = psycopg.ClientCursor(conn)
+            cursor.execute(self._sql.wait_again if queued else self._sql.wait, params)
+        except psycopg.Error as exc:
+            return self._waited(client, conn, key, exc)
+        client.keep_baton(key, conn)
+        return True
+
+    def _waited(self, client: Client, conn: psycopg.Connection[Any], key: str, exc: Any) -> bool:
+        """After a wait failed: False on a timeout while the key is still held."""
+        client.end_wait(conn)
+        if exc.sqlstate not in ("55P03", "57014") or conn.closed:
+            raise translate(exc, "wait", self.url) from exc
+        try:
+            # Postgres can report lock_timeout just after granting the lock (the race
+            # DistributedLock#147 found): ask pg_locks before calling it a timeout.
+            row = self._read(self._sql.still_held, {"key": key}, "wait")
+        except BackendError:
+            return False
+        return not row or not row[0][0]
+
+    # -- the process's connections -------------------------------------------------------
+
+    def close(self) -> None:
+        """Close this process's connections. Leases held through them are lost."""
+        self._clients.get().close()
+
+    def session_info(self) -> dict[str, Any]:
+        """The lock session's backend pid and settings (keepalives, commit mode, timeouts),
+        for ``celery dlock doctor`` and tests."""
+        names = [
+            "lock_timeout",
+            "statement_timeout",
+            "synchronous_commit",
+            "idle_session_timeout",
+            "idle_in_transaction_session_timeout",
+            "tcp_keepalives_idle",
+            "tcp_keepalives_interval",
+            "tcp_keepalives_count",
+            "tcp_user_timeout",
+            "server_version_num",
+        ]
+        found = self._read(self._sql.settings, {"names": names}, "session_info")
+        return {str(row[0]): row[1] for row in found}
+
+    def _read(self, statement: str, params: dict[str, Any], what: str) -> list[Any]:
+        """Rows of a read-only statement; tried again on a new session if the old one ended."""
+        client = self._clients.get()
+        client.drop_baton()
+        with client.mutex:
+            for attempt in (1, 2):
+                session = client.open()
+                try:
+                    session.cursor.execute(statement, params, prepare=True)
+                    return session.cursor.fetchall()
+                except psycopg.Error as exc:
+                    failed(client, session, exc, self.url, what)
+                    if attempt == 2:
+                        raise translate(exc, what, self.url) from exc
+        raise AssertionError("unreachable")
+
+    def _holder_json(self, holder: Holder) -> str:
+        cached = self._holder_cache
+        if cached is not None and cached[0] is holder:
+            return cached[1]
+        text = json.dumps(holder.to_dict(), separators=(",", ":"))
+        self._holder_cache = (holder, text)
+        return text

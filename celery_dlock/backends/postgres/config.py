@@ -1,0 +1,213 @@
+"""The Postgres backend's URL: our options, validated, and libpq's, passed through.
+
+No I/O happens here: ``from_url`` runs at import time in Celery apps, before the fork.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
+
+import psycopg
+from psycopg.conninfo import make_conninfo
+
+from celery_dlock.backends import mask_url
+from celery_dlock.backends.base import flag, url_options
+from celery_dlock.backends.postgres.sql import Names, validate_names
+from celery_dlock.backends.postgres.statements import Statements
+from celery_dlock.errors import BackendError, ConfigurationError, DLockError
+
+__all__ = ["LIBPQ_PARAMETERS", "Config", "parse_url", "translate"]
+
+#: libpq connection parameters accepted in the URL's query and passed to libpq unchanged.
+LIBPQ_PARAMETERS = frozenset(
+    {
+        "application_name",
+        "channel_binding",
+        "connect_timeout",
+        "dbname",
+        "gssencmode",
+        "host",
+        "hostaddr",
+        "krbsrvname",
+        "load_balance_hosts",
+        "options",
+        "passfile",
+        "password",
+        "port",
+        "require_auth",
+        "requirepeer",
+        "service",
+        "ssl_max_protocol_version",
+        "ssl_min_protocol_version",
+        "sslcert",
+        "sslcrl",
+        "sslcrldir",
+        "sslkey",
+        "sslmode",
+        "sslpassword",
+        "sslrootcert",
+        "sslsni",
+        "target_session_attrs",
+        "user",
+    }
+)
+
+_SCHEMES = frozenset({"postgresql", "postgresql+psycopg", "postgres"})
+#: SQLSTATEs that say the schema is missing.
+_NO_SCHEMA = frozenset({"42P01", "3F000"})
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+_OPTIONS: dict[str, Any] = {
+    "schema": str,
+    "table_prefix": str,
+    "auto_migrate": flag,
+    "synchronous_commit": flag,
+    "keepalives_idle": _positive,
+    "keepalives_interval": _positive,
+    "keepalives_count": _positive,
+    "tcp_user_timeout": _positive,
+    "max_waiters": _positive,
+}
+_DEFAULTS: dict[str, Any] = {
+    "schema": "dlock",
+    "table_prefix": "",
+    "auto_migrate": False,
+    "synchronous_commit": False,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+    "max_waiters": 8,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """How to connect: libpq conninfo (our own options removed) and our settings."""
+
+    conninfo: str
+    url: str
+    statements: Statements
+    auto_migrate: bool
+    synchronous_commit: bool
+    keepalives_idle: int
+    keepalives_interval: int
+    keepalives_count: int
+    tcp_user_timeout: int
+    max_waiters: int
+    user_options: str | None
+    has_application_name: bool
+    has_connect_timeout: bool
+
+    def connect(self, role: str, *, autocommit: bool = True) -> psycopg.Connection[Any]:
+        """A new connection for ``role`` (``lock``, ``waiter`` or ``migrate``).
+
+        Raises:
+            BackendError: the server cannot be reached or refuses us.
+        """
+        server = [
+            f"-c tcp_keepalives_idle={self.keepalives_idle}",
+            f"-c tcp_keepalives_interval={self.keepalives_interval}",
+            f"-c tcp_keepalives_count={self.keepalives_count}",
+            f"-c tcp_user_timeout={self.tcp_user_timeout}",
+        ]
+        if role == "lock":
+            server.append("-c idle_in_transaction_session_timeout=0")
+            server.append(f"-c synchronous_commit={'on' if self.synchronous_commit else 'off'}")
+        elif role == "waiter":
+            # A waiter keeps its place in the queue of a key in an open transaction until its
+            # thread acquires; one left behind by a thread that never came back ends here.
+            server += ["-c statement_timeout=0", "-c idle_in_transaction_session_timeout=60s"]
+        else:
+            server += ["-c synchronous_commit=on", "-c client_min_messages=warning"]
+        if self.user_options:
+            server.append(self.user_options)
+        kwargs: dict[str, Any] = {
+            "keepalives": 1,
+            "keepalives_idle": self.keepalives_idle,
+            "keepalives_interval": self.keepalives_interval,
+            "keepalives_count": self.keepalives_count,
+            "tcp_user_timeout": self.tcp_user_timeout,
+            "options": " ".join(server),
+        }
+        if not self.has_application_name:
+            kwargs["application_name"] = f"celery_dlock {role}"
+        if not self.has_connect_timeout:
+            kwargs["connect_timeout"] = 10
+        try:
+            return psycopg.Connection.connect(self.conninfo, autocommit=autocommit, **kwargs)
+        except psycopg.Error as exc:
+            raise translate(exc, f"connecting ({role})", self.url) from exc
+
+
+def parse_url(url: str, overrides: dict[str, Any]) -> Config:
+    """The connection and settings for ``url``; ``overrides`` win over its query options.
+
+    Raises:
+        ConfigurationError: a wrong scheme, an unknown option, a bad value or a URL that
+            libpq cannot parse; the message names it (the password masked).
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in _SCHEMES:
+        raise ConfigurationError(
+            f"a postgres backend URL starts with postgresql://, postgresql+psycopg:// or "
+            f"postgres://, not {mask_url(url)!r}"
+        )
+    known: dict[str, Any] = {**_OPTIONS, **dict.fromkeys(LIBPQ_PARAMETERS, str)}
+    given = url_options("postgres", parts.query, known, overrides)
+    ours = {**_DEFAULTS, **{k: v for k, v in given.items() if k in _OPTIONS}}
+    libpq = {k: str(v) for k, v in given.items() if k not in _OPTIONS}
+    try:
+        validate_names(ours["schema"], ours["table_prefix"])
+    except ValueError as exc:
+        raise ConfigurationError(f"{exc} [{mask_url(url)}]") from None
+    user_options = libpq.pop("options", None)
+    base = urlunsplit(("postgresql", parts.netloc, parts.path, "", ""))
+    try:
+        conninfo = make_conninfo(base, **libpq)
+    except psycopg.Error as exc:
+        raise ConfigurationError(f"bad postgres URL {mask_url(url)!r}: {exc}") from None
+    named = {name for name, _ in parse_qsl(parts.query)} | set(libpq)
+    return Config(
+        conninfo=conninfo,
+        url=mask_url(url),
+        statements=Statements(Names(ours["schema"], ours["table_prefix"])),
+        auto_migrate=bool(ours["auto_migrate"]),
+        synchronous_commit=bool(ours["synchronous_commit"]),
+        keepalives_idle=int(ours["keepalives_idle"]),
+        keepalives_interval=int(ours["keepalives_interval"]),
+        keepalives_count=int(ours["keepalives_count"]),
+        tcp_user_timeout=int(ours["tcp_user_timeout"]),
+        max_waiters=int(ours["max_waiters"]),
+        user_options=user_options,
+        has_application_name="application_name" in named,
+        has_connect_timeout="connect_timeout" in named,
+    )
+
+
+def translate(exc: psycopg.Error, what: str, url: str) -> DLockError:
+    """The error to raise for driver error ``exc`` (raise it ``from exc``), by SQLSTATE.
+
+    All driver errors are translated here: a missing schema is a ``ConfigurationError``,
+    everything else a ``BackendError``.
+    """
+    state = exc.sqlstate
+    if state in _NO_SCHEMA:
+        return ConfigurationError(
+            f"the celery_dlock tables are missing ({exc.diag.message_primary}): call the "
+            f"backend's migrate() (or `celery dlock migrate`), or add auto_migrate=1 to the "
+            f"URL [{url}]"
+        )
+    code = f" (SQLSTATE {state})" if state else ""
+    text = str(exc).strip()
+    message = text.splitlines()[0] if text else type(exc).__name__
+    return BackendError(f"postgres {what} failed{code}: {message}", url)

@@ -1,0 +1,93 @@
+"""What the Postgres backend does when a statement fails: the one place where a lost session
+is told apart from other errors, and where what may have landed is read back by token."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psycopg
+
+from celery_dlock.backends.postgres import rows
+from celery_dlock.backends.postgres.config import translate
+from celery_dlock.backends.postgres.session import Client, Session, connection_lost
+from celery_dlock.errors import BackendError, ConfigurationError
+from celery_dlock.records import Lease, Outcome, Record
+
+__all__ = ["failed", "one", "refuse", "resolve_release", "undo_acquire"]
+
+
+def one(session: Session, statement: str, params: dict[str, Any]) -> Any:
+    """The first row of a prepared statement on the lock session, or None."""
+    cursor = session.cursor
+    cursor.execute(statement, params, prepare=True)
+    return cursor.fetchone()
+
+
+def failed(client: Client, session: Session, exc: psycopg.Error, url: str, what: str) -> None:
+    """Handle a failed statement: return if the session ended under it (its leases are lost;
+    the caller resolves what may have landed), else raise the translated error."""
+    if connection_lost(exc, session.conn):
+        client.drop()
+        return
+    raise translate(exc, what, url) from exc
+
+
+def undo_acquire(client: Client, params: dict[str, Any], exc: Any, url: str) -> Exception:
+    """The session ended under an acquire: if it landed, its lease died with it. Read it back
+    by token on a new session and clear it (recorded ``disconnected``); the error to raise."""
+    try:
+        _undo(client, client.open(), params, "the lock session was lost while acquiring")
+    except (psycopg.Error, BackendError, ConfigurationError):
+        client.drop()  # left for the next taker or reap(), which record it disconnected
+    return translate(exc, "acquire (the lock session ended)", url)
+
+
+def refuse(
+    client: Client, params: dict[str, Any], fence: int, url: str, *, pooled: bool
+) -> Exception:
+    """Undo an acquire whose advisory lock went wrong: another server connection got it (a
+    transaction-mode pooler) or a session outside celery_dlock holds that key."""
+    session = client.session
+    if session is not None:
+        with contextlib.suppress(psycopg.Error):
+            _undo(client, session, params, "the lease's advisory lock could not be taken")
+    client.drop()
+    if pooled:
+        return ConfigurationError(
+            "the lock session's backend pid changed between transactions: a "
+            f"transaction-mode pooler is in the way; connect directly [{url}]"
+        )
+    return BackendError(
+        f"the advisory lock of the lease with fence {fence} is held by a session outside "
+        "celery_dlock: another application uses the same bigint advisory keys in this "
+        "database",
+        url,
+    )
+
+
+def resolve_release(
+    client: Client, lease: Lease, outcome: Outcome, exc: psycopg.Error, url: str
+) -> Record | None:
+    """The session ended under a release: read the lease's record back by its token.
+
+    If the release landed, its record is there; if not, the lease died with the session and
+    stays for the next taker or ``reap()`` to record as ``disconnected``.
+    """
+    client.lost.discard(lease.fence)
+    statements = client.config.statements
+    try:
+        session = client.open()
+        row = one(session, statements.record_of, {"key": lease.key, "token": lease.token})
+    except psycopg.Error as again:
+        client.drop()
+        raise translate(again, "release (reading back)", url) from exc
+    if row is None or row[7] != outcome.value:
+        return None
+    return rows.record(row)
+
+
+def _undo(client: Client, session: Session, params: dict[str, Any], why: str) -> None:
+    """Clear the lease ``params`` tried to acquire, if it is there, as ``disconnected``."""
+    undo = {**params, "outcome": "disconnected", "problem": "disconnected", "details": why}
+    one(session, client.config.statements.release, undo | {"result": None, "unlock": False})

@@ -1,0 +1,72 @@
+"""Between Python values and the Postgres backend's rows: leases, records, times, text."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from celery_dlock.errors import ConfigurationError
+from celery_dlock.records import Holder, Lease, Outcome, Record, truncate_utf8
+
+__all__ = ["lease", "record", "remembered", "result_json", "text", "timestamp"]
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+
+
+def lease(row: Any) -> Lease:
+    """A lease from ``key, token, fence, holder, acquired_at, expires_at``."""
+    return Lease(row[0], row[1], int(row[2]), Holder.from_dict(row[3]), row[4], row[5])
+
+
+def record(row: Any) -> Record:
+    """A record from a lease's columns and ``released_at, outcome, problem, details, result``."""
+    return Record(lease(row), row[6], Outcome(row[7]), row[8], row[9], row[10])
+
+
+def remembered(held: Lease, outcome: Outcome, result: Any) -> bool:
+    """Whether a record becomes its key's last success for its task (``last_success``)."""
+    named = held.holder.task_name is not None
+    return outcome is Outcome.SUCCEEDED and result is not None and named
+
+
+def timestamp(seconds: float) -> datetime:
+    """``seconds`` since the epoch as an exact timestamp: Postgres keeps microseconds, and a
+    float read back from one rounds to the same microsecond."""
+    return _EPOCH + timedelta(microseconds=round(seconds * 1e6))
+
+
+def text(value: str | None, limit: int) -> str | None:
+    """``value`` as Postgres text stores it: at most ``limit`` UTF-8 bytes, NUL (which text
+    cannot hold) and unpaired surrogates replaced (U+FFFD, ``?``). Never refused."""
+    if value is None:
+        return None
+    value = truncate_utf8(value, limit)
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "replace").decode("utf-8")
+    return value
+
+
+def result_json(result: Any) -> tuple[str | None, Any]:
+    """The JSON text to store for ``result``, and the value history will give back.
+
+    Raises:
+        ConfigurationError: ``result`` is not JSON (a set, an object, NaN...).
+    """
+    if result is None:
+        return None, None
+    try:
+        dumped = json.dumps(result, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ConfigurationError(
+            f"a released lease's result must be JSON-compatible, got {type(result).__name__}: {exc}"
+        ) from exc
+    if "\\u0000" in dumped:  # Postgres JSON cannot hold NUL: U+FFFD, as in text
+        dumped = _NUL_ESCAPE.sub(r"\1\\ufffd", dumped)
+    return dumped, json.loads(dumped)

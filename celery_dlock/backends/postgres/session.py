@@ -1,0 +1,345 @@
+"""Connections of the Postgres backend: this process's lock session and its waiter
+connections.
+
+The lock session is one autocommit connection per process, shared by its threads under a
+mutex, never pooled: the advisory locks that keep its leases alive belong to it. ``wait()``
+blocks on separate waiter connections (a small per-process set), so other threads can still
+acquire and release while one waits. A thread whose wait returned keeps its waiter connection,
+and with it its place at the head of the key's queue, until its next call (see ``Client``).
+After ``fork`` a child never touches its parent's connections: their sockets are swapped for
+``/dev/null`` in the child, so neither a close nor a garbage collection there can end the
+parent's session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+import weakref
+from typing import Any
+
+import psycopg
+
+from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.sql import ddl
+from celery_dlock.errors import ConfigurationError
+
+__all__ = ["Client", "Session", "connection_lost", "migrate"]
+
+#: Seconds after a release during which a process lets waiters of the key go first.
+_POLITE_FOR = 1.0
+_POLITE_KEYS = 1024
+#: Seconds an idle background thread of ``end_wait_later`` lingers before it ends.
+_LEAVER_IDLE = 5.0
+#: SQLSTATEs after which the server has ended the session (admin/crash shutdown, restarting).
+_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+
+
+def connection_lost(exc: psycopg.Error, conn: psycopg.Connection[Any]) -> bool:
+    """Whether ``exc`` ended the session on ``conn`` (so a statement may or may not have run)."""
+    state = exc.sqlstate
+    if conn.closed or conn.broken:
+        return True
+    return state is not None and (state.startswith("08") or state in _SESSION_ENDED)
+
+
+class Session:
+    """One open lock session: its connection, backend pid and the fences it holds."""
+
+    __slots__ = ("conn", "cursor", "held", "pid", "swept")
+
+    def __init__(self, conn: psycopg.Connection[Any], pid: int) -> None:
+        self.conn = conn
+        self.cursor = conn.cursor(binary=True)
+        self.pid = pid
+        #: fence -> key of every lease whose advisory lock this session holds.
+        self.held: dict[int, str] = {}
+        #: ``time.monotonic()`` of the last sweep of ``held``.
+        self.swept = 0.0
+
+
+class Client:
+    """This process's connections to one store. Lives as long as the backend, per process.
+
+    A waiter connection whose wait returned stays with its thread as the *baton*: its session
+    still holds the key's queue lock, so the next waiter of that key sleeps in the queue
+    instead of waking with this one. The thread's next call hands it back: once its acquire
+    is in, from a background thread (the next waiter then moves on to wait on the new holder,
+    inside the server); at once for any other call; not at all while a ``try_acquire`` of the
+    key finds it busy (the thread stays first in line). The baton holds no transaction and no
+    table lock.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.mutex = threading.Lock()
+        self.session: Session | None = None
+        #: Fences of leases whose session ended: their release and renew return None.
+        self.lost: set[int] = set()
+        self.batons = threading.local()
+        #: key -> ``time.monotonic()`` until which this process lets the key's waiters go first.
+        self.polite: dict[str, float] = {}
+        self._waiter_mutex = threading.Lock()
+        self._idle_waiters: list[psycopg.Connection[Any]] = []
+        self._open_waiters: set[psycopg.Connection[Any]] = set()
+        self._opening = 0
+        self._leaving: queue.SimpleQueue[psycopg.Connection[Any]] = queue.SimpleQueue()
+        self._leaver: threading.Thread | None = None
+        _CLIENTS.add(self)
+
+    # -- the lock session (callers hold ``mutex``) -------------------------------------
+
+    def open(self) -> Session:
+        """The lock session, opened (and checked) if there is none."""
+        if self.session is not None:
+            return self.session
+        config, statements = self.config, self.config.statements
+        conn = config.connect("lock")
+        try:
+            row = conn.execute(statements.open).fetchone()
+            assert row is not None
+            pid, ready = int(row[0]), bool(row[1])
+            if not ready:
+                if not config.auto_migrate:
+                    raise ConfigurationError(
+                        f"the celery_dlock tables are missing in schema "
+                        f"{statements.names.schema!r}: call the backend's migrate() (or "
+                        f"`celery dlock migrate`), or add auto_migrate=1 to the URL "
+                        f"[{config.url}]"
+                    )
+                migrate(config)
+            # A second transaction: on a transaction-mode pooler it may run on another
+            # server connection, where our session advisory locks would not be.
+            row = conn.execute(statements.check).fetchone()
+            assert row is not None
+            if int(row[0]) != pid:
+                raise ConfigurationError(
+                    f"the lock session's backend pid changed between two transactions "
+                    f"({pid} -> {row[0]}): a transaction-mode pooler (PgBouncer "
+                    f"pool_mode=transaction?) is in the way. Session advisory locks need a "
+                    f"direct connection or session pooling [{config.url}]"
+                )
+            if not row[1]:
+                with conn.transaction():
+                    for statement in statements.restore_guard:
+                        conn.execute(statement)
+        except psycopg.Error as exc:
+            _close_quietly(conn)
+            raise translate(exc, "opening the lock session", config.url) from exc
+        except BaseException:
+            _close_quietly(conn)
+            raise
+        self.session = Session(conn, pid)
+        return self.session
+
+    def drop(self) -> None:
+        """Forget the lock session after it ended: all its leases are lost."""
+        session, self.session = self.session, None
+        if session is not None:
+            self.lost.update(session.held)
+            _close_quietly(session.conn)
+
+    # -- waiters ---------------------------------------------------------------------------
+
+    def yield_to_waiters(self, key: str) -> None:
+        """After releasing ``key`` while others waited for it: for a moment, acquire it only
+        if no waiter is first in its queue."""
+        if len(self.polite) > _POLITE_KEYS:
+            self.polite.clear()
+        self.polite[key] = time.monotonic() + _POLITE_FOR
+
+    def yielding(self, key: str) -> bool:
+        until = self.polite.get(key)
+        if until is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        self.polite.pop(key, None)
+        return False
+
+    def take_baton(self, key: str) -> psycopg.Connection[Any] | None:
+        """This thread's baton if it is for ``key`` (the caller then owns it); a baton for
+        another key is handed back."""
+        baton: _Baton | None = getattr(self.batons, "held", None)
+        if baton is None:
+            return None
+        self.batons.held = None
+        baton.finalizer.detach()
+        if baton.key == key:
+            return baton.conn
+        self.end_wait(baton.conn)
+        return None
+
+    def keep_baton(self, key: str, conn: psycopg.Connection[Any]) -> None:
+        """Leave ``conn``, in the queue of ``key``, with this thread until its next call."""
+        baton = _Baton(key, conn)
+        # A thread that ends without another call must not keep its place for ever.
+        baton.finalizer = weakref.finalize(baton, self.end_wait, conn)
+        self.batons.held = baton
+
+    def drop_baton(self) -> None:
+        """Hand this thread's baton back, if it has one: its place in a queue is given up."""
+        baton: _Baton | None = getattr(self.batons, "held", None)
+        if baton is not None:
+            self.batons.held = None
+            baton.finalizer()
+
+    def end_wait_later(self, conn: psycopg.Connection[Any]) -> None:
+        """``end_wait`` from a background thread: the caller does not wait for the round trip
+        (an acquire that came through the queue lets the next waiter move up meanwhile)."""
+        with self._waiter_mutex:
+            self._leaving.put(conn)
+            if self._leaver is None:
+                self._leaver = threading.Thread(
+                    target=self._leave, name="celery_dlock waiters", daemon=True
+                )
+                self._leaver.start()
+
+    def _leave(self) -> None:
+        """The background thread of ``end_wait_later``; it ends when idle for a while."""
+        while True:
+            try:
+                conn = self._leaving.get(timeout=_LEAVER_IDLE)
+            except queue.Empty:
+                with self._waiter_mutex:
+                    if self._leaving.empty():
+                        self._leaver = None
+                        return
+                continue
+            self.end_wait(conn)
+
+    def end_wait(self, conn: psycopg.Connection[Any]) -> None:
+        """Let the next waiter in (``conn`` leaves its queue) and check ``conn`` in."""
+        try:
+            conn.execute(self.config.statements.leave_queue)
+        except psycopg.Error:
+            _close_quietly(conn)
+        self.check_in(conn)
+
+    def check_out(self) -> psycopg.Connection[Any] | None:
+        """An idle waiter connection, a new one, or None when ``max_waiters`` are busy.
+
+        Raises:
+            BackendError: a new connection could not be opened.
+        """
+        with self._waiter_mutex:
+            if self._idle_waiters:
+                return self._idle_waiters.pop()
+            if len(self._open_waiters) + self._opening >= self.config.max_waiters:
+                return None
+            self._opening += 1
+        conn = None
+        try:
+            conn = self.config.connect("waiter")
+        finally:
+            with self._waiter_mutex:
+                self._opening -= 1
+                if conn is not None:
+                    self._open_waiters.add(conn)
+        return conn
+
+    def check_in(self, conn: psycopg.Connection[Any]) -> None:
+        with self._waiter_mutex:
+            if conn.closed or conn.broken or conn not in self._open_waiters:
+                self._open_waiters.discard(conn)
+                _close_quietly(conn)
+            else:
+                self._idle_waiters.append(conn)
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close this process's connections; leases of the lock session are lost, and
+        waits under way in other threads fail."""
+        self.drop_baton()
+        with self.mutex:
+            self.drop()
+        with self._waiter_mutex:
+            for conn in self._open_waiters:
+                _close_quietly(conn)
+            self._idle_waiters.clear()
+            self._open_waiters.clear()
+
+    def forget_inherited(self) -> None:
+        """In a forked child: let go of the parent's connections without touching them."""
+        conns = list(self._open_waiters)
+        if self.session is not None:
+            conns.append(self.session.conn)
+        for conn in conns:
+            _detach(conn)
+        self.session = None
+        self.batons = threading.local()
+        self._idle_waiters = []
+        self._open_waiters = set()
+        self._opening = 0
+        self._leaving = queue.SimpleQueue()
+        self._leaver = None
+        self.mutex = threading.Lock()
+        self._waiter_mutex = threading.Lock()
+
+
+class _Baton:
+    """A waiter connection in the queue of ``key``, kept by the thread whose wait returned."""
+
+    __slots__ = ("__weakref__", "conn", "finalizer", "key")
+
+    def __init__(self, key: str, conn: psycopg.Connection[Any]) -> None:
+        self.key = key
+        self.conn = conn
+        self.finalizer: weakref.finalize[Any, Any]
+
+
+def migrate(config: Config) -> None:
+    """Create the schema if missing, idempotently; concurrent callers take turns."""
+    statements = config.statements
+    names = statements.names
+    with config.connect("migrate", autocommit=False) as conn:
+        try:
+            with conn.transaction():
+                conn.execute(f"SELECT pg_advisory_xact_lock({names.ddl_lock_key})")
+                row = conn.execute(statements.sequence_exists).fetchone()
+                fresh = row is not None and not row[0]
+                for statement in ddl(names):
+                    conn.execute(statement)
+                if fresh:
+                    # A sequence made now has handed out no fence that a crash could lose.
+                    conn.execute(statements.mark_guard)
+        except psycopg.Error as exc:
+            raise translate(exc, "migrate", config.url) from exc
+
+
+def _close_quietly(conn: psycopg.Connection[Any]) -> None:
+    with contextlib.suppress(Exception):
+        conn.close()
+
+
+#: Connections inherited from a parent process, kept referenced so that they are never
+#: garbage collected (psycopg would warn) in the child.
+_INHERITED: list[psycopg.Connection[Any]] = []
+_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+def _detach(conn: psycopg.Connection[Any]) -> None:
+    """Point ``conn``'s socket descriptor at /dev/null in this (child) process only."""
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.Error:
+        fd = -1
+    if fd >= 0:
+        null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.dup2(null, fd, inheritable=False)
+        finally:
+            os.close(null)
+    _INHERITED.append(conn)
+
+
+def _after_fork_in_child() -> None:
+    for client in list(_CLIENTS):
+        client.forget_inherited()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

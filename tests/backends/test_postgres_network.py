@@ -1,0 +1,549 @@
+"""Postgres backend on the wire: round trips, waiting by server push with no leaked setting,
+the lock_timeout race, replies lost in flight (resolved by reading back the token), and a
+transaction-mode pooler (refused).
+
+The proxies here are real TCP proxies on loopback: ``CountingProxy`` (tests/helpers) counts
+round trips; ``CuttingProxy`` drops one reply and cuts the connection, as a network failure
+after the server committed would; ``TransactionPooler`` hands every transaction to the next
+of two server connections, as PgBouncer's ``pool_mode=transaction`` does under load.
+"""
+
+# ruff: noqa: F811 - the fixtures imported from test_postgres are redefined as parameters
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from helpers.countingproxy import CountingProxy
+from stores.postgres import SERVER_URL, with_options
+from test_postgres import (
+    Backends,
+    admin,  # noqa: F401
+    advisory_holders,
+    backend,  # noqa: F401
+    backends,  # noqa: F401
+    eventually,
+    holder,
+    lease_lock,
+    schema,  # noqa: F401
+    session_pid,
+    url,  # noqa: F401
+)
+
+from celery_dlock import BackendError, ConfigurationError, Outcome
+from celery_dlock.backends.postgres import PostgresBackend
+from celery_dlock.backends.postgres.sql import Names
+
+psycopg = pytest.importorskip("psycopg")
+
+_SERVER = urlsplit(SERVER_URL)
+HOST, PORT = _SERVER.hostname or "127.0.0.1", _SERVER.port or 5432
+
+
+def via(port: int, schema: str, **options: Any) -> str:
+    """A URL for the test server through a proxy on ``port``."""
+    target = SERVER_URL.replace(f"{HOST}:{PORT}", f"127.0.0.1:{port}", 1)
+    return with_options(target, schema=schema, sslmode="disable", gssencmode="disable", **options)
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+
+def test_uncontended_acquire_and_release_are_one_round_trip_each(
+    backends: Backends, schema: str
+) -> None:
+    with CountingProxy(HOST, PORT) as proxy:
+        backend = backends(via(proxy.port, schema))
+        other = backends()  # direct, to hold a key
+        for _ in range(2):  # opens the session and prepares the statements
+            lease = backend.try_acquire("job:rt", holder("t"), None)
+            assert lease is not None
+            backend.release(lease, Outcome.SUCCEEDED, result=1)
+            backend.release(lease, Outcome.SUCCEEDED)
+
+        proxy.reset()
+        lease = backend.try_acquire("job:rt", holder("t"), None)
+        assert lease is not None
+        assert proxy.round_trips == 1
+
+        proxy.reset()
+        assert backend.release(lease, Outcome.SUCCEEDED) is not None
+        assert proxy.round_trips == 1
+
+        lease = backend.try_acquire("job:rt", holder("t"), 30)
+        assert lease is not None
+        proxy.reset()
+        assert backend.release(lease, Outcome.SUCCEEDED, result={"once": True}) is not None
+        assert proxy.round_trips == 1  # with the success marker for once
+
+        assert other.try_acquire("job:rt-busy", holder(), None) is not None
+        backend.try_acquire("job:rt-busy", holder(), None)
+        proxy.reset()
+        assert backend.try_acquire("job:rt-busy", holder(), None) is None
+        assert proxy.round_trips == 2  # held: the insert, then the check of its holder
+
+
+# -- waiting ----------------------------------------------------------------------------------
+
+
+def waiting_on(admin: Any, schema: str, fence: int) -> bool:
+    """Whether some session is queued (not granted) on lease ``fence``'s advisory lock."""
+    row = admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
+        "AND NOT granted AND classid = %s::oid AND objid = %s::oid",
+        lease_lock(schema, fence),
+    ).fetchone()
+    return bool(row[0])
+
+
+def test_wait_is_one_statement_woken_by_the_release(
+    backends: Backends, schema: str, admin: Any
+) -> None:
+    holder_backend = backends()
+    with CountingProxy(HOST, PORT) as proxy:
+        waiter = backends(via(proxy.port, schema))
+        assert waiter.wait_released("job:free", 5.0)  # opens the waiter connection
+        assert waiter.get("job:free") is None  # opens the lock session, hands the baton back
+        lease = holder_backend.try_acquire("job:push", holder(), None)
+        assert lease is not None
+        proxy.reset()
+        woken: list[bool] = []
+        counted = threading.Event()
+
+        def wait() -> None:
+            woken.append(waiter.wait_released("job:push", 60))
+            counted.wait(30)  # keep the baton (and its release) until the count is read
+
+        thread = threading.Thread(target=wait)
+        thread.start()
+        eventually(lambda: waiting_on(admin, schema, lease.fence), "the waiter in the server")
+        assert woken == []
+        holder_backend.release(lease, Outcome.SUCCEEDED)
+        eventually(lambda: woken or None, "woken by the release")
+        assert woken == [True]
+        assert proxy.round_trips == 1  # no polling: one message, answered by the server
+        counted.set()
+        thread.join(timeout=30)
+
+
+def test_wait_wakes_when_the_holder_session_dies(
+    backends: Backends, admin: Any, schema: str
+) -> None:
+    holder_backend, waiter = backends(), backends()
+    lease = holder_backend.try_acquire("job:dies", holder(), None)
+    assert lease is not None
+    woken: list[bool] = []
+    thread = threading.Thread(target=lambda: woken.append(waiter.wait_released("job:dies", 60)))
+    thread.start()
+    eventually(lambda: waiting_on(admin, schema, lease.fence), "the waiter queued in the server")
+    admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(holder_backend),))
+    thread.join(timeout=30)
+    assert woken == [True]
+    assert waiter.try_acquire("job:dies", holder(), None) is not None
+
+
+def test_wait_times_out_while_held_and_leaks_no_setting(backends: Backends) -> None:
+    holder_backend, waiter = backends(), backends()
+    assert holder_backend.try_acquire("job:held", holder(), None) is not None
+    assert waiter.wait_released("job:held", 0.2) is False
+    assert waiter.wait_released("job:held", 0) is False
+    batons = waiter._clients.get().batons  # waiter connections kept by their threads
+    assert getattr(batons, "held", None) is None  # a timed-out wait keeps no place
+    assert waiter.wait_released("job:free-now", 1.0) is True
+    baton = batons.held
+    assert baton is not None and baton.key == "job:free-now"
+    conn = baton.conn
+    assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert waiter.session_info()["lock_timeout"] == "0"  # also hands the baton back
+    assert holder_backend.session_info()["lock_timeout"] == "0"
+
+
+def test_wait_for_a_ttl_lease_ends_at_its_expiry(backends: Backends) -> None:
+    holder_backend, waiter = backends(), backends()
+    lease = holder_backend.try_acquire("job:ttl", holder(), 0.3)
+    assert lease is not None
+    assert waiter.wait_released("job:ttl", 60) is True  # returns at expiry, not after 60 s
+    assert waiter.try_acquire("job:ttl", holder(), None) is not None
+
+
+def test_lock_timeout_reported_after_the_key_came_free_counts_as_woken(
+    backends: Backends, admin: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Postgres can raise 55P03 just after granting the lock (DistributedLock#147); the
+    waiter then asks pg_locks instead of trusting the error. Here the error is forced by a
+    statement that always times out on a lock the admin holds."""
+    holder_backend, waiter = backends(), backends()
+    admin.execute("SELECT pg_advisory_lock(-42)")
+    forced = (
+        "SELECT set_config('lock_timeout', '10', true);\n"
+        "SELECT pg_advisory_xact_lock_shared(-42) FROM (SELECT %(key)s, %(ms)s) AS given"
+    )
+    monkeypatch.setattr(waiter._sql, "wait", forced)
+    lease = holder_backend.try_acquire("job:race", holder(), None)
+    assert lease is not None
+    assert waiter.wait_released("job:race", 5) is False  # really still held
+    holder_backend.release(lease, Outcome.SUCCEEDED)
+    assert waiter.wait_released("job:race", 5) is True  # free, despite the 55P03
+    admin.execute("SELECT pg_advisory_unlock(-42)")
+
+
+def test_more_waiting_threads_than_waiter_connections_still_wake(
+    backends: Backends, url: str
+) -> None:
+    holder_backend = backends()
+    waiter = backends(with_options(url, max_waiters=1))
+    lease = holder_backend.try_acquire("job:many", holder(), None)
+    assert lease is not None
+    done = threading.Event()
+    results: list[bool] = []
+
+    def wait() -> None:
+        while not done.is_set():
+            if waiter.get("job:many") is None:
+                results.append(True)
+                return
+            waiter.wait("job:many", 0.5)
+
+    threads = [threading.Thread(target=wait) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    holder_backend.release(lease, Outcome.SUCCEEDED)
+    for thread in threads:
+        thread.join(timeout=30)
+    done.set()
+    assert results == [True, True, True]
+
+
+# -- replies lost in flight ------------------------------------------------------------------
+
+
+class CuttingProxy:
+    """A loopback TCP proxy that can drop the next reply from the server and cut the
+    connection, so the client cannot know whether its statement ran."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.armed = threading.Event()
+        self.cut = threading.Event()
+        self.closing = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_next_reply(self) -> None:
+        self.cut.clear()
+        self.armed.set()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closing.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        peers = {client: server, server: client}
+        try:
+            while not self.closing.is_set():
+                readable, _, _ = select.select([client, server], [], [], 0.5)
+                for sock in readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    if sock is server and self.armed.is_set():
+                        self.armed.clear()
+                        self.cut.set()
+                        return  # the reply is dropped; both ends are closed below
+                    peers[sock].sendall(data)
+        except OSError:
+            return
+        finally:
+            for sock in (client, server):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+def warm_up(backend: PostgresBackend) -> None:
+    """Open the session and prepare the statements, so that a cut reply is an execution's."""
+    lease = backend.try_acquire("job:warm-up", holder(), None)
+    assert lease is not None
+    backend.release(lease, Outcome.SUCCEEDED, "none", "ran", {"r": 1})
+
+
+@pytest.fixture
+def cutting() -> Iterator[CuttingProxy]:
+    proxy = CuttingProxy(HOST, PORT)
+    yield proxy
+    proxy.close()
+
+
+def test_release_whose_reply_was_lost_is_read_back_by_token(
+    backends: Backends, schema: str, cutting: CuttingProxy
+) -> None:
+    backend = backends(via(cutting.port, schema))
+    warm_up(backend)
+    lease = backend.try_acquire("job:cut", holder(), None)
+    assert lease is not None
+    cutting.cut_next_reply()
+    record = backend.release(lease, Outcome.SUCCEEDED, "none", "ran", {"r": 1})
+    assert cutting.cut.is_set()
+    assert record is not None  # it landed: the record says so
+    assert record.lease.token == lease.token and record.result == {"r": 1}
+    assert backend.history(key="job:cut") == [record]
+    assert backend.get("job:cut") is None
+
+
+def test_release_on_a_dead_session_is_lost_and_left_for_reap(
+    backends: Backends, schema: str, admin: Any
+) -> None:
+    backend = backends()
+    lease = backend.try_acquire("job:dead", holder(), None)
+    assert lease is not None
+    admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(backend),))
+    eventually(lambda: advisory_holders(admin, schema, lease.fence) == [], "the session ended")
+    assert backend.release(lease, Outcome.SUCCEEDED) is None  # did not land: lost
+    assert [r.outcome for r in backend.reap()] == [Outcome.DISCONNECTED]
+
+
+def test_acquire_whose_reply_was_lost_is_undone(
+    backends: Backends, schema: str, cutting: CuttingProxy
+) -> None:
+    backend = backends(via(cutting.port, schema))
+    warm_up(backend)
+    cutting.cut_next_reply()
+    with pytest.raises(BackendError) as caught:
+        backend.try_acquire("job:cut-acquire", holder(), None)
+    assert isinstance(caught.value.__cause__, psycopg.OperationalError)
+    assert backend.get("job:cut-acquire") is None  # the orphan was cleared by its token
+    [record] = backend.history(key="job:cut-acquire")
+    assert record.outcome is Outcome.DISCONNECTED
+    assert record.details == "the lock session was lost while acquiring"
+    assert backend.try_acquire("job:cut-acquire", holder(), None) is not None
+
+
+# -- a transaction-mode pooler ----------------------------------------------------------------
+
+
+class TransactionPooler:
+    """A minimal transaction-mode pooler: the client's startup is replayed to two server
+    connections, and each transaction (up to a ReadyForQuery 'idle') goes to the next one."""
+
+    def __init__(self, host: str, port: int, servers: int = 2) -> None:
+        self.target = (host, port)
+        self.servers = servers
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.listener.getsockname()[1]
+        self.closing = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while not self.closing.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        servers: list[socket.socket] = []
+        try:
+            startup = self._startup(client)
+            for index in range(self.servers):
+                server = socket.create_connection(self.target)
+                servers.append(server)
+                server.sendall(startup)
+                for kind, message in _messages(server):
+                    if index == 0:
+                        client.sendall(message)
+                    if kind == b"Z":
+                        break
+            self._relay(client, servers)
+        except OSError:
+            pass
+        finally:
+            for sock in (client, *servers):
+                sock.close()
+
+    @staticmethod
+    def _startup(client: socket.socket) -> bytes:
+        while True:
+            length = struct.unpack("!I", _exactly(client, 4))[0]
+            body = _exactly(client, length - 4)
+            if struct.unpack("!I", body[:4])[0] in (80877103, 80877104):  # SSL / GSS request
+                client.sendall(b"N")
+                continue
+            return struct.pack("!I", length) + body
+
+    @staticmethod
+    def _relay(client: socket.socket, servers: list[socket.socket]) -> None:
+        current = 0
+        incoming = _messages(client)
+        while True:
+            for kind, message in incoming:
+                servers[current].sendall(message)
+                if kind in (b"S", b"Q", b"X"):  # Sync, simple Query or Terminate
+                    break
+            else:
+                return
+            if kind == b"X":
+                return
+            for reply_kind, reply in _messages(servers[current]):
+                client.sendall(reply)
+                if reply_kind == b"Z":
+                    if reply[5:6] == b"I":  # idle: the transaction is over
+                        current = (current + 1) % len(servers)
+                    break
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise OSError("connection closed")
+        data += chunk
+    return data
+
+
+def _messages(sock: socket.socket) -> Iterator[tuple[bytes, bytes]]:
+    """(type, whole message) for each protocol message read from ``sock``."""
+    while True:
+        head = _exactly(sock, 5)
+        length = struct.unpack("!I", head[1:])[0]
+        yield head[:1], head + _exactly(sock, length - 4)
+
+
+@pytest.fixture
+def pooler() -> Iterator[TransactionPooler]:
+    proxy = TransactionPooler(HOST, PORT)
+    yield proxy
+    proxy.close()
+
+
+def test_transaction_mode_pooler_is_refused(
+    backends: Backends, schema: str, pooler: TransactionPooler
+) -> None:
+    backends()  # migrates the schema directly
+    pooled = PostgresBackend.from_url(via(pooler.port, schema))
+    with pytest.raises(ConfigurationError, match="transaction-mode pooler") as caught:
+        pooled.try_acquire("job:pooled", holder(), None)
+    assert "pid changed" in str(caught.value)
+    pooled.close()
+
+
+def test_the_fake_pooler_really_switches_server_connections(pooler: TransactionPooler) -> None:
+    conn = psycopg.connect(
+        f"postgresql://postgres@127.0.0.1:{pooler.port}/test?sslmode=disable&gssencmode=disable",
+        autocommit=True,
+    )
+    try:
+        pids = {conn.execute("SELECT pg_backend_pid()").fetchone()[0] for _ in range(4)}
+        assert len(pids) == 2
+    finally:
+        conn.close()
+
+
+def queue_waiters(admin: Any, schema: str, key: str) -> tuple[int, int]:
+    """(granted, waiting) sessions on ``key``'s queue lock (the two-int advisory form)."""
+    space = Names(schema, "").key_space("queue") & 0xFFFFFFFF
+    row = admin.execute(
+        "SELECT count(*) FILTER (WHERE granted), count(*) FILTER (WHERE NOT granted) "
+        "FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND classid = %s::oid "
+        "AND objid = hashtext(%s)::oid",
+        (space, key),
+    ).fetchone()
+    return int(row[0]), int(row[1])
+
+
+def test_a_release_wakes_the_first_waiter_only_and_the_queue_moves_up(
+    backends: Backends, admin: Any, schema: str
+) -> None:
+    holder_backend = backends()
+    waiters = [backends() for _ in range(3)]
+    lease = holder_backend.try_acquire("job:queue", holder(), None)
+    assert lease is not None
+    woken = [threading.Event() for _ in waiters]
+    done = threading.Event()
+    leases: list[Any] = [None] * len(waiters)
+
+    def wait(index: int) -> None:
+        backend = waiters[index]
+        while leases[index] is None:
+            backend.wait("job:queue", 30)
+            woken[index].set()
+            leases[index] = backend.try_acquire("job:queue", holder(), None)
+        done.wait(30)
+
+    first = threading.Thread(target=wait, args=(0,))
+    first.start()
+    eventually(lambda: waiting_on(admin, schema, lease.fence), "the first waiter on the holder")
+    others = [threading.Thread(target=wait, args=(n,)) for n in (1, 2)]
+    for thread in others:
+        thread.start()
+    eventually(lambda: queue_waiters(admin, schema, "job:queue") == (1, 2), "two in the queue")
+
+    holder_backend.release(lease, Outcome.SUCCEEDED)
+    eventually(lambda: leases[0], "the first waiter's lease")
+    new = leases[0]
+    # The next waiter moved up to wait on the new holder, inside the server; the third
+    # still sleeps in the queue: one release woke one client.
+    eventually(lambda: waiting_on(admin, schema, new.fence), "the second waiter on the new one")
+    assert queue_waiters(admin, schema, "job:queue") == (1, 1)
+    assert not woken[1].is_set() and not woken[2].is_set()
+    done.set()
+    waiters[0].release(new, Outcome.SUCCEEDED)
+    order: list[int] = []
+    for _ in (1, 2):  # the other two, in their order in the queue
+        index = eventually(
+            lambda: next((n for n in (1, 2) if n not in order and leases[n] is not None), None),
+            "the next waiter's lease",
+        )
+        order.append(index)
+        waiters[index].release(leases[index], Outcome.SUCCEEDED)
+    assert sorted(order) == [1, 2]
+    for thread in [first, *others]:
+        thread.join(timeout=30)
+
+
+def test_a_releaser_lets_a_waiting_process_go_first(
+    backends: Backends, admin: Any, schema: str
+) -> None:
+    releaser, waiter = backends(), backends()
+    lease = releaser.try_acquire("job:polite", holder(), None)
+    assert lease is not None
+    got: list[Any] = []
+
+    def wait() -> None:
+        waiter.wait("job:polite", 30)
+        got.append(waiter.try_acquire("job:polite", holder(), None))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    eventually(lambda: waiting_on(admin, schema, lease.fence), "the waiter on the holder")
+    releaser.release(lease, Outcome.SUCCEEDED)
+    # Straight back: the waiter, first in the queue, goes first.
+    assert releaser.try_acquire("job:polite", holder(), None) is None
+    thread.join(timeout=30)
+    assert got and got[0] is not None
+    held = releaser.get("job:polite")
+    assert held is not None and held.token == got[0].token

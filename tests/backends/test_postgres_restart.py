@@ -1,0 +1,255 @@
+"""Postgres restarted during a contention run: no two live leases overlap, and a holder
+whose session died with the server sees its lease lost.
+
+This test restarts the local cluster (``pg_ctlcluster ... restart -m fast``), which cuts every
+session on the machine for a second or two; it is marked slow and makes sure the server is
+up again when it ends. Set ``DLOCK_PG_RESTART`` to the command for another setup, or to an
+empty string to skip.
+
+Run as a script, this file is the contender and the long holder that the test starts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _default_restart() -> str:
+    """The Debian cluster's restart command, for the version installed here."""
+    versions = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
+    if not versions:
+        return ""
+    return f"pg_ctlcluster --skip-systemctl-redirect {versions[-1]} main restart -m fast"
+
+
+RESTART = os.environ.get("DLOCK_PG_RESTART", _default_restart())
+CONTENDERS = 4
+
+
+# -- the processes the test starts -----------------------------------------------------------
+
+
+def contend(url: str, key: str, log: Path, stop: Path) -> None:
+    """Take and release ``key`` until ``stop`` exists; log each lease with its times and
+    whether its release found it still ours (``ok``), lost (``lost``) or failed (``error``)."""
+    from celery_dlock import BackendError, Lock, LockNotAcquiredError, backend_from_url
+
+    backend = backend_from_url(url)
+    with log.open("a") as out:
+        while not stop.exists():
+            lock = Lock(backend, key, wait=1.0)
+            try:
+                lease = lock.acquire()
+            except LockNotAcquiredError:
+                continue
+            except BackendError:
+                time.sleep(0.05)  # the server is restarting: try again shortly
+                continue
+            acquired = time.time()  # wall clock: compared with the server's start time
+            releasing = time.time()
+            try:
+                result = "ok" if lock.release() is not None else "lost"
+            except BackendError:
+                result = "error"
+            line = {"fence": lease.fence, "token": lease.token, "result": result}
+            line |= {"acquired": acquired, "released": releasing, "pid": os.getpid()}
+            out.write(json.dumps(line) + "\n")
+            out.flush()
+    backend.close()
+
+
+def hold(url: str, key: str, ready: Path, go: Path) -> None:
+    """Take ``key``, write the lease to ``ready``, release when ``go`` exists; the result
+    goes to ``go`` + ``.result``."""
+    from celery_dlock import BackendError, Lock, LockNotAcquiredError, backend_from_url
+
+    backend = backend_from_url(url)
+    lock = Lock(backend, key, wait=1.0)
+    while True:
+        try:
+            lease = lock.acquire()
+            break
+        except (LockNotAcquiredError, BackendError):
+            continue
+    acquired = time.time()
+    ready.write_text(json.dumps({**lease.to_dict(), "acquired": acquired}))
+    while not go.exists():
+        time.sleep(0.01)
+    releasing = time.time()
+    try:
+        result = "ok" if lock.release() is not None else "lost"
+    except BackendError as exc:
+        result = f"error: {exc}"
+    Path(f"{go}.result").write_text(json.dumps({"result": result, "released": releasing}))
+    backend.close()
+
+
+# -- the test -------------------------------------------------------------------------------
+
+
+def wait_for(condition: Any, what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def server_up(url: str) -> bool:
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=2).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+def restart_server() -> tuple[float, float, float]:
+    """Restart the server; (before, its new start, after) on the wall clock."""
+    from stores.postgres import SERVER_URL, admin_connection
+
+    before = time.time()
+    subprocess.run(shlex.split(RESTART), check=True, capture_output=True, timeout=120)
+    wait_for(lambda: server_up(SERVER_URL), "the server back")
+    after = time.time()
+    admin = admin_connection()
+    row = admin.execute("SELECT extract(epoch FROM pg_postmaster_start_time())").fetchone()
+    admin.close()
+    return before, float(row[0]), after
+
+
+def ensure_server_up() -> None:
+    from stores.postgres import SERVER_URL
+
+    if not server_up(SERVER_URL):
+        start = RESTART.replace(" restart", " start").replace(" -m fast", "")
+        subprocess.run(shlex.split(start), check=False, timeout=120)
+        wait_for(lambda: server_up(SERVER_URL), "the server up again")
+
+
+def stop_all(processes: list[subprocess.Popen[bytes]], *touch: Path) -> None:
+    for path in touch:
+        path.touch()
+    for process in processes:
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def check_leases(leases: list[dict[str, Any]], before: float, started: float) -> None:
+    """No lease whose release found it ours overlapped any other lease; fences in order."""
+    for lease in leases:
+        if lease["acquired"] < before and lease["released"] > started:
+            assert lease["result"] != "ok", lease  # held across the restart: cannot be ours
+        # A lost lease was valid until its session died with the old server, at the latest.
+        ended = lease["released"] if lease["result"] == "ok" else started
+        lease["valid_until"] = min(lease["released"], ended)
+    ok = sorted((e for e in leases if e["result"] == "ok"), key=lambda e: e["acquired"])
+    assert len(ok) >= CONTENDERS * 6
+    for lease in ok:
+        overlapping = [
+            other
+            for other in leases
+            if other is not lease
+            and other["acquired"] < lease["valid_until"]
+            and lease["acquired"] < other["valid_until"]
+        ]
+        assert overlapping == [], (lease, overlapping)
+    backwards = [(a, b) for a, b in itertools.pairwise(ok) if a["fence"] >= b["fence"]]
+    assert backwards == []
+
+
+@pytest.mark.slow
+def test_restart_during_contention_loses_leases_and_never_overlaps(tmp_path: Path) -> None:
+    if not RESTART:
+        pytest.skip("DLOCK_PG_RESTART is empty: no way to restart the server here")
+    from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
+
+    from celery_dlock import Outcome
+    from celery_dlock.backends.postgres import PostgresBackend
+
+    schema = f"dlock_t_{os.urandom(6).hex()}"
+    url = with_options(SERVER_URL, schema=schema)
+    checker = PostgresBackend.from_url(url)
+    checker.migrate()
+    key, stop, go, ready = "job:restart", tmp_path / "stop", tmp_path / "go", tmp_path / "ready"
+    logs = [tmp_path / f"contender-{n}.jsonl" for n in range(CONTENDERS)]
+    me = str(Path(__file__))
+    processes = [
+        subprocess.Popen([sys.executable, me, "contend", url, key, str(log), str(stop)])
+        for log in logs
+    ]
+    result = Path(f"{go}.result")
+    try:
+        wait_for(lambda: all(len(lines(log)) >= 3 for log in logs), "contention before")
+        processes.append(
+            subprocess.Popen([sys.executable, me, "hold", url, key, str(ready), str(go)])
+        )
+        held = wait_for(lambda: ready.exists() and json.loads(ready.read_text()), "the holder")
+        before, started, after = restart_server()
+        assert before < started < after
+
+        def taken_over() -> bool:
+            try:
+                records = checker.history(key=key, limit=None)
+            except Exception:
+                return False
+            return any(r.lease.token == held["token"] for r in records)
+
+        wait_for(taken_over, "the dead holder's lease taken over")
+        go.touch()
+        released = wait_for(
+            lambda: result.exists() and json.loads(result.read_text()), "the holder's release"
+        )
+        wait_for(
+            lambda: all(sum(e["acquired"] > after for e in lines(log)) >= 3 for log in logs),
+            "contention after",
+        )
+    finally:
+        stop_all(processes, stop, go)
+        ensure_server_up()
+    try:
+        assert released["result"] == "lost"  # its session died with the server
+        records = checker.history(key=key, limit=None)
+        [record] = [r for r in records if r.lease.token == held["token"]]
+        assert record.outcome is Outcome.DISCONNECTED
+        leases = [entry for log in logs for entry in lines(log)]
+        leases.append({**held, "released": released["released"], "result": "lost"})
+        check_leases(leases, before, started)
+    finally:
+        checker.close()
+        admin = admin_connection()
+        drop_schema(admin, schema)
+        admin.close()
+
+
+if __name__ == "__main__":
+    logging.getLogger("celery_dlock").setLevel(logging.CRITICAL)
+    mode, *arguments = sys.argv[1:]
+    if mode == "contend":
+        contend(arguments[0], arguments[1], Path(arguments[2]), Path(arguments[3]))
+    else:
+        hold(arguments[0], arguments[1], Path(arguments[2]), Path(arguments[3]))
