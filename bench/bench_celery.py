@@ -1,6 +1,6 @@
 """Celery end to end: no-op task throughput through a real prefork worker (Redis broker).
 
-    python bench/bench_celery.py [--tasks 1000] [--rounds 3] [--store postgres|file|redis]
+    python bench/bench_celery.py [--tasks 2000] [--rounds 4] [--store postgres|file|redis]
 
 Variants, interleaved round by round, each with a fresh `worker --pool=prefork -c 2`:
 - ``plain``: a plain Celery task (the floor).
@@ -27,6 +27,7 @@ import redis
 HERE = Path(__file__).parent
 REDIS = "redis://127.0.0.1:6379"
 BROKER_DB, COUNTER_DB = 6, 7
+WARMUP = 50
 
 
 def store_url(kind: str, scratch: Path) -> str:
@@ -59,6 +60,12 @@ def run_once(variant: str, tasks: int, env: dict[str, str]) -> float:
             if time.monotonic() > deadline or worker.poll() is not None:
                 raise RuntimeError("the worker did not start")
         task = app.tasks[f"bench.{variant}"]
+        # Warm up: each child's first tasks open its connections (broker, lock store).
+        for i in range(WARMUP):
+            task.delay(-1 - i)
+        while int(counter.get("bench:done") or 0) < WARMUP:
+            time.sleep(0.002)
+        counter.set("bench:done", 0)
         started = time.perf_counter()
         for i in range(tasks):
             task.delay(i)
@@ -83,8 +90,8 @@ def run_once(variant: str, tasks: int, env: dict[str, str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--store", choices=["postgres", "file", "redis"], default="postgres")
     options = parser.parse_args()
 
@@ -110,7 +117,9 @@ def main() -> None:
           f"LockedTask store: {options.store}")  # fmt: skip
     rates: dict[str, list[float]] = {v: [] for v in variants}
     for round_number in range(options.rounds):
-        for variant in variants:
+        # Rotate the order each round, so that no variant always runs first.
+        shift = round_number % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
             rates[variant].append(run_once(variant, options.tasks, env))
         line = ", ".join(f"{v} {rates[v][-1]:.0f}/s" for v in variants)
         print(f"round {round_number + 1}: {line}", flush=True)

@@ -1,0 +1,126 @@
+"""History as create-only objects: one per record under ``history/``, named so that a
+listing is newest first and filters by key and outcome without reading bodies; the answers
+of ``once`` under ``success/`` (see ``layout.py``).
+
+Functions of the backend whose history they keep (``ObjectStoreBackend`` delegates here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from celery_dlock.backends.file import file_name
+from celery_dlock.backends.objectstore.layout import answers_once, encode
+from celery_dlock.errors import BackendError
+from celery_dlock.records import Outcome, Record
+
+if TYPE_CHECKING:
+    from celery_dlock.backends.objectstore import ObjectStoreBackend
+
+__all__ = ["add", "flush", "last_success", "prune", "query"]
+
+logger = logging.getLogger("celery_dlock")
+_MICRO = 1e6
+
+
+def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool = True) -> None:
+    """Write ``record`` (a ``Record.to_dict()``) to ``history/``, and to ``success/`` if it
+    answers ``once``; create-if-absent, so writing twice is harmless. A failure is logged:
+    the record stays in its lock object (``ended``) until ``reap`` copies it."""
+    local = backend._local.get()
+    token = str(record["lease"]["token"])
+    if local.flushed(token):
+        return
+    names = [backend.layout.history_name(record)] if history else []
+    if answers_once(record):
+        names.append(backend.layout.success_name(record))
+    body = encode(record)
+    try:
+        for name in names:
+            backend._create(name, body)
+    except BackendError as exc:
+        logger.warning("record of %s not yet in history: %s", record["lease"]["key"], exc)
+        return
+    if history:
+        local.mark_flushed(token)
+
+
+def add(backend: ObjectStoreBackend, record: Record) -> None:
+    """A record that ended no lease here (a skipped attempt): history, and ``success/`` if
+    it answers ``once``."""
+    data = replace(record, lease=record.lease.with_version(None)).to_dict()
+    backend._create(backend.layout.history_name(data), encode(data))
+    if answers_once(data):
+        backend._create(backend.layout.success_name(data), encode(data))
+
+
+def query(
+    backend: ObjectStoreBackend,
+    key: str | None,
+    outcome: Outcome | None,
+    since: float | None,
+    limit: int | None,
+) -> list[Record]:
+    """Records newest first: names are listed in order, filtered by name, and only the
+    bodies of records kept are read."""
+    layout = backend.layout
+    wanted = None if outcome is None else Outcome(outcome).value
+    key_name = None if key is None else file_name(key)
+    oldest = None if since is None else math.floor(since * _MICRO)
+    found: list[Record] = []
+    for name in backend.store().names(layout.history):
+        if limit is not None and len(found) >= limit:
+            break
+        parsed = layout.parse_history(name)
+        if parsed is None:
+            continue
+        if oldest is not None and parsed.micros < oldest:
+            break  # newest first: the rest are older still
+        if (wanted is not None and parsed.outcome != wanted) or (
+            key_name is not None and parsed.key_name != key_name
+        ):
+            continue
+        body = backend._read(name).body
+        if body is None:
+            continue  # pruned meanwhile
+        record = Record.from_dict(json.loads(body))
+        if (key is None or record.key == key) and (since is None or record.released_at >= since):
+            found.append(record)
+    return found
+
+
+def last_success(backend: ObjectStoreBackend, key: str, task_name: str) -> Record | None:
+    """From the lock object (one read), else the newest object under ``success/``."""
+    name = backend.layout.lock(key)
+    state = backend._decode(backend._read(name), name)
+    if state is not None and task_name in state.successes:
+        return Record.from_dict(state.successes[task_name])
+    for success in backend.store().names(backend.layout.success_dir(key, task_name)):
+        body = backend._read(success).body
+        if body is not None:
+            return Record.from_dict(json.loads(body))
+    return None
+
+
+def prune(backend: ObjectStoreBackend, before: float) -> int:
+    """Delete history objects released before ``before`` (listed from that point on, as
+    names sort newest first) and superseded ``success/`` objects; returns the records."""
+    store = backend.store()
+    layout = backend.layout
+    pruned = 0
+    start = layout.history_before(math.ceil(before * _MICRO))
+    for name in list(store.names(layout.history, start_after=start)):
+        store.delete(name)
+        pruned += 1
+    kept: set[str] = set()
+    for name in list(store.names(layout.success)):
+        directory = name.rpartition("/")[0]
+        if directory in kept:
+            store.delete(name)
+        else:
+            kept.add(directory)
+    return pruned

@@ -1,0 +1,187 @@
+"""Where the objects of one prefix go, and what a lock object's body holds.
+
+``locks/<name>``
+    One object per key. ``<name>`` is the key percent-encoded, or for long keys a prefix
+    and a SHA-256 (:func:`celery_dlock.backends.file.file_name`), so ``/``, ``..`` and ``%``
+    cannot escape or collide. The body is JSON: ``state`` (``held`` or ``free``), ``fence``,
+    the ``lease`` (token, holder, acquired_at, expires_at), ``write`` (a nonce new for every
+    write, so no two bodies, and no two S3 ETags, are ever equal), ``freed_at``, ``ended``
+    (the record of the last lease that ended) and ``successes`` (the newest success with a
+    result per task name, for ``once``).
+``history/<17 digits>-<token>-<outcome>-<name>``
+    One create-only object per record; the digits are 10**17 - 1 - released_at in
+    microseconds, so a listing is newest first, and key and outcome filter by name.
+``success/<name>/<task name>/<20 digits>``
+    Create-only, one per success with a result; the digits are 10**20 - 1 - fence, so the
+    newest comes first. ``prune_history`` keeps the newest of each.
+``fence-floor``
+    The highest fence of any lock object the janitor deleted; a lock object created anew
+    starts above it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from celery_dlock.backends.file import file_name
+from celery_dlock.backends.objectstore.store import Found
+from celery_dlock.errors import BackendError
+from celery_dlock.records import Lease, Outcome
+
+__all__ = ["HistoryName", "Layout", "LockState", "answers_once", "encode", "lock_body", "us"]
+
+_MICRO = 1_000_000
+_HISTORY_DIGITS = 17
+_FENCE_DIGITS = 20
+#: Long keys have hashed names that share only their first 120 characters.
+_SHARED_PREFIX = 120
+
+
+def us(t: float) -> float:
+    """``t`` rounded to the microsecond, the precision of history names."""
+    return round(t * _MICRO) / _MICRO
+
+
+def encode(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode("ascii")
+
+
+def answers_once(record: dict[str, Any]) -> bool:
+    """Whether ``record`` (a ``Record.to_dict()``) is a ``last_success`` answer: a success
+    with a result, of a holder with a task name."""
+    return (
+        record["outcome"] == Outcome.SUCCEEDED.value
+        and record["result"] is not None
+        and record["lease"]["holder"]["task_name"] is not None
+    )
+
+
+class HistoryName(NamedTuple):
+    """What a history object's name says: release time (µs), token, outcome, key name."""
+
+    micros: int
+    token: str
+    outcome: str
+    key_name: str
+
+
+class Layout:
+    """The object names under one prefix (``""`` for the top of the bucket)."""
+
+    def __init__(self, prefix: str) -> None:
+        base = f"{prefix}/" if prefix else ""
+        self.locks = f"{base}locks/"
+        self.history = f"{base}history/"
+        self.success = f"{base}success/"
+        self.floor = f"{base}fence-floor"
+        #: Read, never written: its 404 carries the server's Date.
+        self.probe = f"{base}clock"
+        self.doctor = f"{base}doctor/"
+
+    def lock(self, key: str) -> str:
+        return self.locks + file_name(key)
+
+    def locks_of(self, key_prefix: str) -> str:
+        """A name prefix that lists (at least) the lock objects of keys with this prefix."""
+        return self.locks + file_name(key_prefix)[:_SHARED_PREFIX]
+
+    def history_name(self, record: dict[str, Any]) -> str:
+        micros = round(float(record["released_at"]) * _MICRO)
+        lease = record["lease"]
+        age = 10**_HISTORY_DIGITS - 1 - micros
+        return (
+            f"{self.history}{age:0{_HISTORY_DIGITS}d}-{lease['token']}-"
+            f"{record['outcome']}-{file_name(lease['key'])}"
+        )
+
+    def parse_history(self, name: str) -> HistoryName | None:
+        parts = name[len(self.history) :].split("-", 3)
+        if len(parts) != 4 or not parts[0].isdigit():
+            return None
+        return HistoryName(10**_HISTORY_DIGITS - 1 - int(parts[0]), *parts[1:])
+
+    def history_before(self, micros: int) -> str:
+        """A name that sorts after every history object released at ``micros`` or later
+        and before every one released earlier (those to prune)."""
+        return f"{self.history}{10**_HISTORY_DIGITS - 1 - micros:0{_HISTORY_DIGITS}d}."
+
+    def success_dir(self, key: str, task_name: str) -> str:
+        return f"{self.success}{file_name(key)}/{file_name(task_name)}/"
+
+    def success_name(self, record: dict[str, Any]) -> str:
+        lease = record["lease"]
+        fence = 10**_FENCE_DIGITS - 1 - int(lease["fence"])
+        directory = self.success_dir(lease["key"], lease["holder"]["task_name"])
+        return f"{directory}{fence:0{_FENCE_DIGITS}d}"
+
+
+@dataclass(frozen=True, slots=True)
+class LockState:
+    """A lock object as read (or as this process last wrote it)."""
+
+    key: str
+    fence: int
+    lease: Lease | None  # with the object's version
+    freed_at: float | None
+    write: str
+    ended: dict[str, Any] | None
+    successes: dict[str, dict[str, Any]]
+    version: str
+
+    @classmethod
+    def decode(cls, found: Found, name: str, where: str) -> LockState | None:
+        """The state in ``found`` (None if there is no object).
+
+        Raises:
+            BackendError: the object is not a lock object; it is left alone.
+        """
+        if found.body is None or found.version is None:
+            return None
+        try:
+            data = json.loads(found.body)
+            lease = None
+            if data["state"] == "held":
+                lease = Lease.from_dict(data["lease"]).with_version(found.version)
+            freed_at = data.get("freed_at")
+            return cls(
+                key=str(data["key"]),
+                fence=int(data["fence"]),
+                lease=lease,
+                freed_at=None if freed_at is None else float(freed_at),
+                write=str(data["write"]),
+                ended=data.get("ended"),
+                successes=dict(data.get("successes") or {}),
+                version=found.version,
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise BackendError(
+                f"the lock object {name!r} is not a celery-dlock lock ({exc}); it was not changed",
+                where,
+            ) from exc
+
+
+def lock_body(
+    key: str,
+    fence: int,
+    lease: Lease | None,
+    *,
+    write: str,
+    freed_at: float | None,
+    ended: dict[str, Any] | None,
+    successes: dict[str, dict[str, Any]],
+) -> bytes:
+    return encode(
+        {
+            "dlock": 1,
+            "key": key,
+            "state": "free" if lease is None else "held",
+            "fence": fence,
+            "lease": None if lease is None else lease.with_version(None).to_dict(),
+            "freed_at": freed_at,
+            "write": write,
+            "ended": ended,
+            "successes": successes,
+        }
+    )

