@@ -39,9 +39,18 @@ def celery_includes() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def app(celery_session_app: Any, celery_session_worker: Any) -> Iterator[Any]:
+def session_app(celery_session_app: Any, celery_session_worker: Any) -> Iterator[Any]:
     install(celery_session_app)
     yield celery_session_app
+
+
+@pytest.fixture
+def app(session_app: Any) -> Any:
+    # Any Celery() made meanwhile (another test module's app) became the current app, and
+    # the shared tasks of embedded_tasks resolve through the current app: make it ours.
+    session_app.set_current()
+    session_app.set_default()
+    return session_app
 
 
 @pytest.fixture
