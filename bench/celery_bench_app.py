@@ -1,7 +1,8 @@
 """The Celery app of bench_celery.py; the worker subprocess imports it.
 
 Environment: BENCH_BROKER (Redis URL), BENCH_COUNTER (Redis URL of the counter DB),
-BENCH_LOCKS (celery-dlock store URL). Every body is one Redis INCR, as in the anchors.
+BENCH_LOCKS (celery-dlock store URL), BENCH_PG (Postgres URL of the advisory floor).
+Every body is one Redis INCR, as in the anchors.
 """
 
 from __future__ import annotations
@@ -37,6 +38,25 @@ def plain(i: int) -> None:
 @app.task(base=LockedTask, name="bench.locked", lock_key="bench:{i}")
 def locked(i: int) -> None:
     counter.incr("bench:done")
+
+
+_floor_connection: dict[int, object] = {}
+
+
+@app.task(name="bench.advisory_floor")
+def advisory_floor(i: int) -> None:
+    """The floor of any Postgres lock: a raw advisory lock/unlock pair (two round trips,
+    no writes) around the same body, on one psycopg 3 connection per process."""
+    import psycopg
+
+    connection = _floor_connection.get(os.getpid())
+    if connection is None:
+        connection = _floor_connection[os.getpid()] = psycopg.connect(
+            os.environ["BENCH_PG"], autocommit=True
+        )
+    connection.execute("SELECT pg_try_advisory_lock(%s)", (i,))  # type: ignore[attr-defined]
+    counter.incr("bench:done")
+    connection.execute("SELECT pg_advisory_unlock(%s)", (i,))  # type: ignore[attr-defined]
 
 
 try:

@@ -42,6 +42,8 @@ def validate_key(key: str) -> str:
         raise LockKeyError(f"a lock key must be a str, not {type(key).__name__}: {key!r}")
     if not key:
         raise LockKeyError("the lock key is empty")
+    if key.isascii() and key.isprintable() and len(key) <= MAX_KEY_BYTES:
+        return key  # the usual key: one byte a character, no control character
     try:
         size = len(key.encode("utf-8"))
     except UnicodeEncodeError:
