@@ -2,10 +2,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from dlock_support import eventually
 
 from celery_dlock import (
     ConfigurationError,
@@ -29,14 +29,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> MemoryBackend | F
     if request.param == "memory":
         return MemoryBackend()
     return FileBackend(str(tmp_path / "locks"))
-
-
-def until(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
 
 
 class CardDeclined(Exception):
@@ -145,7 +137,7 @@ def test_background_renewal_keeps_a_short_lease_alive() -> None:
     backend = MemoryBackend()
     the_lock = Lock(backend, "job:long", ttl=0.3)
     first = the_lock.acquire()
-    until(
+    eventually(
         lambda: (
             (current := backend.get("job:long")) is not None
             and current.expires_at is not None
@@ -168,7 +160,7 @@ def test_background_renewal_reports_a_lost_lease() -> None:
     the_lock = Lock(backend, "job:gone", ttl=0.3, on_lost=lost.append)
     lease = the_lock.acquire()
     backend.force_release("job:gone", "operator")
-    until(lambda: the_lock.lost, "loss noticed")
+    eventually(lambda: the_lock.lost, "loss noticed")
     assert [item.token for item in lost] == [lease.token]
     assert the_lock.release() is None
 

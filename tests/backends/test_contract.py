@@ -13,11 +13,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from dlock_support import eventually
 from storecase import StoreCase
 
 from celery_dlock import Holder, Lease, Lock, Outcome, Record
@@ -34,18 +34,6 @@ FAKE_TTL = 30.0
 
 def holder(task_name: str | None = None) -> Holder:
     return Holder.current(task_name=task_name)
-
-
-def eventually(attempt: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
-    """Call ``attempt`` until it returns something, for conditions a real server decides."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = attempt()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 def short_ttl(store: StoreCase) -> float:

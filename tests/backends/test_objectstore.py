@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dlock_support import eventually
 from helpers.objectstore_servers import (  # noqa: F401 - fixtures
     Recording,
     Server,
@@ -23,7 +24,6 @@ from helpers.objectstore_servers import (  # noqa: F401 - fixtures
     object_server,
     object_url,
     unique_prefix,
-    wait_for,
 )
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome
@@ -134,7 +134,7 @@ def test_stale_release_and_renew_after_takeover_change_nothing(
 ) -> None:
     stale = backend.try_acquire("job:stale", holder(), 1.0)
     assert stale is not None
-    new = wait_for(lambda: backend.try_acquire("job:stale", holder(), 60), "takeover")
+    new = eventually(lambda: backend.try_acquire("job:stale", holder(), 60), "takeover")
     before = lock_object(backend, "job:stale")
 
     assert backend.release(stale, Outcome.SUCCEEDED) is None
@@ -176,9 +176,9 @@ def test_holder_killed_mid_lease_is_taken_over_after_expiry_and_recorded(
             expires_at = lease.expires_at
             return lease if expires_at is not None and expires_at > first.expires_at else None
 
-        live = wait_for(renewed, "a renewal by the holder")
+        live = eventually(renewed, "a renewal by the holder")
         # Past the first expiry, renewed: the live holder keeps its key.
-        wait_for(lambda: time.time() > first.expires_at + 0.5 or None, "the first expiry")
+        eventually(lambda: time.time() > first.expires_at + 0.5 or None, "the first expiry")
         assert backend.try_acquire("job:killed", holder(), None) is None
         assert backend.reap() == []
     finally:
@@ -186,7 +186,7 @@ def test_holder_killed_mid_lease_is_taken_over_after_expiry_and_recorded(
         process.wait()
         if process.stdout is not None:
             process.stdout.close()
-    taker = wait_for(lambda: backend.try_acquire("job:killed", holder(), None), "takeover")
+    taker = eventually(lambda: backend.try_acquire("job:killed", holder(), None), "takeover")
     assert taker.fence > first.fence
     last = backend.get("job:killed")
     assert last is not None and last.token == taker.token
@@ -215,8 +215,8 @@ def workload(backend: ObjectStoreBackend) -> None:
     assert forced is not None and backend.force_release("job:w", "test") is not None
     dying = backend.try_acquire("job:w2", me, 1.0)
     assert dying is not None
-    wait_for(lambda: backend.try_acquire("job:w2", me, 1.0), "takeover")
-    wait_for(lambda: backend.reap() or None, "reap of job:w2")
+    eventually(lambda: backend.try_acquire("job:w2", me, 1.0), "takeover")
+    eventually(lambda: backend.reap() or None, "reap of job:w2")
     backend.reap()  # garbage-collects the free objects (gc_after=0)
 
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from dlock_support import eventually
 from helpers.objectstore_servers import (  # noqa: F401 - fixtures
     Server,
     object_server,
     object_url,
     unique_prefix,
-    wait_for,
 )
 
 from celery_dlock import Holder, Outcome
@@ -155,7 +155,7 @@ def test_a_client_an_hour_off_neither_steals_a_live_lease_nor_keeps_a_dead_one(
 
     # The steady client's dead lease: the skewed one takes it once it expired, by the
     # server's clock.
-    taken = wait_for(lambda: skewed.try_acquire("job:dead", Holder.current(), 30), "takeover")
+    taken = eventually(lambda: skewed.try_acquire("job:dead", Holder.current(), 30), "takeover")
     [record] = steady.history(key="job:dead")
     assert record.outcome is Outcome.EXPIRED and record.lease.token == dead.token
     assert dead.expires_at <= record.released_at < time.time() + 2
@@ -163,7 +163,7 @@ def test_a_client_an_hour_off_neither_steals_a_live_lease_nor_keeps_a_dead_one(
 
     # The skewed client's own dead lease: a steady client takes it, and the skewed one
     # can neither renew nor release it.
-    wait_for(lambda: steady.try_acquire("job:mine", Holder.current(), 60), "takeover")
+    eventually(lambda: steady.try_acquire("job:mine", Holder.current(), 60), "takeover")
     assert skewed.renew(mine, 60) is None
     assert skewed.release(mine, Outcome.SUCCEEDED) is None
     current = steady.get("job:mine")

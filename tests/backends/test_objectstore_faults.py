@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
+from dlock_support import eventually
 from helpers.objectstore_servers import (  # noqa: F401 - fixtures
     Fault,
     HTTPProxy,
@@ -19,7 +20,6 @@ from helpers.objectstore_servers import (  # noqa: F401 - fixtures
     object_server,
     proxy,
     unique_prefix,
-    wait_for,
 )
 from test_objectstore import workload
 
@@ -244,7 +244,7 @@ def test_a_clock_stepped_mid_request_neither_steals_nor_keeps_a_lease(
     mine = stepped.try_acquire("job:mine", holder(), 1.0)
     assert mine is not None and mine.expires_at is not None
     assert abs(mine.expires_at - (time.time() + 1.0)) < 3.0
-    taken = wait_for(lambda: steady.try_acquire("job:mine", holder(), 60), "takeover")
+    taken = eventually(lambda: steady.try_acquire("job:mine", holder(), 60), "takeover")
     assert stepped.renew(mine, 60) is None
     assert stepped.release(mine, Outcome.SUCCEEDED) is None
     current = steady.get("job:mine")

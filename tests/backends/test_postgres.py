@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from dlock_support import eventually
 from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome
@@ -34,18 +35,6 @@ from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START, Names  # 
 HELPERS = Path(__file__).parent.parent / "helpers"
 T = TypeVar("T")
 Backends = Callable[..., PostgresBackend]
-
-
-def eventually(attempt: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
-    """Call ``attempt`` until it returns something other than None or False."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = attempt()
-        if value is not None and value is not False:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from dlock_support import eventually
 from helpers.countingproxy import CountingProxy
 from stores.postgres import SERVER_URL, with_options
 from test_postgres import (
@@ -30,7 +31,6 @@ from test_postgres import (
     advisory_holders,
     backend,  # noqa: F401
     backends,  # noqa: F401
-    eventually,
     holder,
     lease_lock,
     schema,  # noqa: F401

@@ -22,7 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from test_contract import KEYS, eventually
+from dlock_support import eventually
+from test_contract import KEYS
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lock, Outcome
 from celery_dlock.backends import backend_from_url

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_contract import eventually
+from dlock_support import eventually
 
 from celery_dlock import BackendError, Holder, Lock, Outcome
 from celery_dlock.backends import backend_from_url

@@ -15,13 +15,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from dlock_support import unavailable
+from dlock_support import eventually, unavailable
 
 from celery_dlock import Holder, Outcome, backend_from_url
 from celery_dlock.backends.base import LockBackend
@@ -32,17 +32,6 @@ pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 HELPERS = HERE.parent / "helpers"
 BROKER_DB, RESULTS_DB = 2, 3
-
-
-def until(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +123,7 @@ class Worker:
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(args, env=self.env, stdout=log, stderr=log, cwd=HERE)
-        until(
+        eventually(
             lambda: self.app.control.ping(destination=[self.hostname], timeout=0.5),
             "worker ready",
             timeout=60,
@@ -228,7 +217,7 @@ def test_twenty_concurrent_submissions_with_once_run_the_body_once(worker: Worke
 
 
 def started_body(worker: Worker, key: str) -> dict[str, Any]:
-    return until(
+    return eventually(
         lambda: next((e for e in worker.events() if e["key"] == key), None), f"body of {key}"
     )
 
@@ -240,7 +229,7 @@ def test_a_sigkilled_child_is_released_and_recorded_disconnected(worker: Worker)
     body = started_body(worker, key)
     killed_at = time.time()
     os.kill(body["pid"], signal.SIGKILL)
-    record = until(lambda: next(iter(worker.history(key)), None), "a record of the dead child")
+    record = eventually(lambda: next(iter(worker.history(key)), None), "a record of the dead child")
     assert record.outcome is Outcome.DISCONNECTED
     assert record.lease.token == body["token"]
     assert record.lease.holder.pid == body["pid"]
@@ -261,8 +250,8 @@ def test_a_hard_time_limit_is_recorded_once(worker: Worker) -> None:
     # task_failure fires twice for a hard time limit, both before billiard SIGKILLs the
     # child; each firing waits for the child to be gone, then releases by its token.
     killed = f"pid:{body['pid']} exited with 'signal 9"
-    until(lambda: killed in worker.log.read_text(), "the child killed by the time limit")
-    records = until(lambda: worker.history(key), "a record after the time limit")
+    eventually(lambda: killed in worker.log.read_text(), "the child killed by the time limit")
+    records = eventually(lambda: worker.history(key), "a record after the time limit")
     assert [r.lease.token for r in records] == [body["token"]]
     assert records[0].outcome in (Outcome.DISCONNECTED, Outcome.REVOKED)
     assert worker.store.get(key) is None
@@ -285,7 +274,7 @@ def test_revoke_with_terminate_releases_as_revoked(worker: Worker) -> None:
     result = worker.tasks.hold.delay(order, 60)
     body = started_body(worker, key)
     result.revoke(terminate=True)
-    record = until(lambda: next(iter(worker.history(key)), None), "a record of the revoke")
+    record = eventually(lambda: next(iter(worker.history(key)), None), "a record of the revoke")
     assert record.outcome is Outcome.REVOKED
     assert record.lease.token == body["token"]
     assert worker.store.get(key) is None
@@ -303,13 +292,13 @@ def test_acks_late_redelivery_never_runs_a_second_body_at_once(
         order = uuid.uuid4().hex[:8]
         key = f"job:late:{order}"
         result = late.tasks.late.delay(order, 6)
-        skipped = until(
+        skipped = eventually(
             lambda: next((r for r in late.history(key) if r.outcome is Outcome.SKIPPED), None),
             "a redelivered attempt refused by the lock",
         )
         assert skipped.lease.holder.task_id == result.id  # the same task id, a new attempt
         events = bodies(late, key)
-        until(lambda: len(bodies(late, key)) >= 2, "the first body to end")
+        eventually(lambda: len(bodies(late, key)) >= 2, "the first body to end")
         events = bodies(late, key)
         assert_never_overlapping(events[:2])
         first_token = events[0][1]
@@ -340,7 +329,7 @@ def test_beat_triggers_the_janitor_which_reaps_a_dead_holder(
         with open(tmp_path / "beat.log", "ab") as log:
             beat = subprocess.Popen(beat_args, env=env, stdout=log, stderr=log, cwd=HERE)
         try:
-            runs = until(
+            runs = eventually(
                 lambda: [
                     r
                     for r in janitor_worker.history("job:celery_dlock.janitor")
@@ -366,7 +355,7 @@ def test_warm_shutdown_releases_a_lease_kept_for_a_retry(
     with running(tmp_path, redis_url, lock_url) as short_lived:
         short_lived.tasks.later.delay(order)
         # Kept: the attempt ended and its lease got a backstop expiry for the retry's wait.
-        kept: Lease = until(
+        kept: Lease = eventually(
             lambda: (lease := short_lived.store.get(key)) and lease.expires_at and lease,
             "the lease kept for the retry",
         )

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import embedded_tasks as tasks
 import pytest
 from celery import signals
 from celery.exceptions import Retry
+from dlock_support import eventually
 
 from celery_dlock import (
     ConfigurationError,
@@ -28,17 +27,6 @@ pytestmark = pytest.mark.usefixtures("app")
 
 def new_run() -> str:
     return uuid.uuid4().hex[:12]
-
-
-def until(condition: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.02)
 
 
 def outcomes(store: MemoryBackend, key: str) -> list[Outcome]:
@@ -139,7 +127,7 @@ def test_without_lock_across_retries_the_attempt_releases_as_retried(store: Memo
 def test_ignore_is_recorded_skipped(store: MemoryBackend) -> None:
     run = new_run()
     result = tasks.ignore.delay(run)
-    until(lambda: store.history(key=f"job:ignore:{run}"), "a record")
+    eventually(lambda: store.history(key=f"job:ignore:{run}"), "a record")
     [record] = store.history(key=f"job:ignore:{run}")
     assert record.outcome is Outcome.SKIPPED and record.problem == "celery.exceptions.Ignore"
     assert store.get(f"job:ignore:{run}") is None
@@ -149,7 +137,7 @@ def test_ignore_is_recorded_skipped(store: MemoryBackend) -> None:
 def test_reject_is_recorded_failed(store: MemoryBackend) -> None:
     run = new_run()
     tasks.reject.delay(run)
-    until(lambda: store.history(key=f"job:reject:{run}"), "a record")
+    eventually(lambda: store.history(key=f"job:reject:{run}"), "a record")
     [record] = store.history(key=f"job:reject:{run}")
     assert record.outcome is Outcome.FAILED and record.problem == "celery.exceptions.Reject"
     assert record.details is not None and record.details.startswith("requeue=False")
@@ -200,7 +188,7 @@ def test_retry_requeues_until_free_without_eating_max_retries(store: MemoryBacke
     signals.task_retry.connect(count, weak=False)
     try:
         result = tasks.requeue.delay(run)
-        until(lambda: len(retries) >= 3, "three busy re-queues")
+        eventually(lambda: len(retries) >= 3, "three busy re-queues")
         assert tasks.SEEN[run] == []
         store.release(blocker, Outcome.SUCCEEDED)
         assert result.get(timeout=15) == 0  # max_retries=0, yet it ran after the re-queues
@@ -267,7 +255,7 @@ def test_on_lock_lost_raise_stops_the_body(store: MemoryBackend) -> None:
     run = new_run()
     key = f"job:doomed:{run}"
     result = tasks.doomed.delay(run)
-    until(lambda: tasks.SEEN[run], "the body started")
+    eventually(lambda: tasks.SEEN[run], "the body started")
     assert store.force_release(key, "operator took it") is not None
     with pytest.raises(LockLostError) as info:
         result.get(timeout=15)

@@ -485,18 +485,6 @@ def object_url(object_server: Server) -> str:
 T = TypeVar("T")
 
 
-def wait_for(attempt: Callable[[], T | None], what: str, timeout: float = 30.0) -> T:
-    """Call ``attempt`` until it returns something (conditions a real server decides)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = attempt()
-        if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.05)
-
-
 @dataclass
 class Call:
     """One call the core made to its store adapter."""
