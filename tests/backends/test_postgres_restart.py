@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dlock_support import eventually
 
 
 def _default_restart() -> str:
@@ -117,6 +116,7 @@ def server_up(url: str) -> bool:
 
 def restart_server() -> tuple[float, float, float]:
     """Restart the server; (before, its new start, after) on the wall clock."""
+    from dlock_support import eventually  # not at the top: this file is also a script
     from stores.postgres import SERVER_URL, admin_connection
 
     before = time.time()
@@ -130,6 +130,7 @@ def restart_server() -> tuple[float, float, float]:
 
 
 def ensure_server_up() -> None:
+    from dlock_support import eventually  # not at the top: this file is also a script
     from stores.postgres import SERVER_URL
 
     if not server_up(SERVER_URL):
@@ -177,6 +178,8 @@ def check_leases(leases: list[dict[str, Any]], before: float, started: float) ->
 
 @pytest.mark.slow
 def test_restart_during_contention_loses_leases_and_never_overlaps(tmp_path: Path) -> None:
+    from dlock_support import eventually  # not at the top: this file is also a script
+
     if not RESTART:
         pytest.skip("DLOCK_PG_RESTART is empty: no way to restart the server here")
     from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
