@@ -3,8 +3,8 @@ the lock_timeout race, replies lost in flight (resolved by reading back the toke
 transaction-mode pooler (refused).
 
 The proxies here are real TCP proxies on loopback: ``CountingProxy`` (tests/helpers) counts
-round trips; ``CuttingProxy`` drops one reply and cuts the connection, as a network failure
-after the server committed would; ``TransactionPooler`` hands every transaction to the next
+round trips, and its ``drop_next_reply`` loses one reply and cuts the connection, as a
+network failure after the server committed would; ``TransactionPooler`` hands every transaction to the next
 of two server connections, as PgBouncer's ``pool_mode=transaction`` does under load.
 """
 
@@ -12,8 +12,6 @@ of two server connections, as PgBouncer's ``pool_mode=transaction`` does under l
 
 from __future__ import annotations
 
-import contextlib
-import select
 import socket
 import struct
 import threading
@@ -226,59 +224,6 @@ def test_more_waiting_threads_than_waiter_connections_still_wake(
 # -- replies lost in flight ------------------------------------------------------------------
 
 
-class CuttingProxy:
-    """A loopback TCP proxy that can drop the next reply from the server and cut the
-    connection, so the client cannot know whether its statement ran."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.target = (host, port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        self.armed = threading.Event()
-        self.cut = threading.Event()
-        self.closing = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def cut_next_reply(self) -> None:
-        self.cut.clear()
-        self.armed.set()
-
-    def close(self) -> None:
-        self.closing.set()
-        self.listener.close()
-
-    def _accept(self) -> None:
-        while not self.closing.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.target)
-            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
-
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        peers = {client: server, server: client}
-        try:
-            while not self.closing.is_set():
-                readable, _, _ = select.select([client, server], [], [], 0.5)
-                for sock in readable:
-                    data = sock.recv(65536)
-                    if not data:
-                        return
-                    if sock is server and self.armed.is_set():
-                        self.armed.clear()
-                        self.cut.set()
-                        return  # the reply is dropped; both ends are closed below
-                    peers[sock].sendall(data)
-        except OSError:
-            return
-        finally:
-            for sock in (client, server):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-                sock.close()
-
-
 def warm_up(backend: PostgresBackend) -> None:
     """Open the session and prepare the statements, so that a cut reply is an execution's."""
     lease = backend.try_acquire("job:warm-up", holder(), None)
@@ -287,22 +232,21 @@ def warm_up(backend: PostgresBackend) -> None:
 
 
 @pytest.fixture
-def cutting() -> Iterator[CuttingProxy]:
-    proxy = CuttingProxy(HOST, PORT)
-    yield proxy
-    proxy.close()
+def cutting() -> Iterator[CountingProxy]:
+    with CountingProxy(HOST, PORT) as proxy:
+        yield proxy
 
 
 def test_release_whose_reply_was_lost_is_read_back_by_token(
-    backends: Backends, schema: str, cutting: CuttingProxy
+    backends: Backends, schema: str, cutting: CountingProxy
 ) -> None:
     backend = backends(via(cutting.port, schema))
     warm_up(backend)
     lease = backend.try_acquire("job:cut", holder(), None)
     assert lease is not None
-    cutting.cut_next_reply()
+    cutting.drop_next_reply()
     record = backend.release(lease, Outcome.SUCCEEDED, "none", "ran", {"r": 1})
-    assert cutting.cut.is_set()
+    assert cutting.dropped == 1
     assert record is not None  # it landed: the record says so
     assert record.lease.token == lease.token and record.result == {"r": 1}
     assert backend.history(key="job:cut") == [record]
@@ -322,11 +266,11 @@ def test_release_on_a_dead_session_is_lost_and_left_for_reap(
 
 
 def test_acquire_whose_reply_was_lost_is_undone(
-    backends: Backends, schema: str, cutting: CuttingProxy
+    backends: Backends, schema: str, cutting: CountingProxy
 ) -> None:
     backend = backends(via(cutting.port, schema))
     warm_up(backend)
-    cutting.cut_next_reply()
+    cutting.drop_next_reply()
     with pytest.raises(BackendError) as caught:
         backend.try_acquire("job:cut-acquire", holder(), None)
     assert isinstance(caught.value.__cause__, psycopg.OperationalError)

@@ -262,38 +262,9 @@ def test_wait_is_one_push_not_a_poll(proxy: CountingProxy, prefix: str) -> None:
 # -- replies that never come -----------------------------------------------------------------------
 
 
-class LossyProxy(CountingProxy):
-    """A proxy that can lose the server's reply to the next command: the command reaches
-    Redis and runs, then the connection is cut before the reply gets back."""
-
-    def __init__(self, host: str, port: int) -> None:
-        super().__init__(host, port)
-        self.lose = 0
-
-    def _pump(self, client: socket.socket, server: socket.socket) -> None:
-        import select
-
-        try:
-            while not self._closing.is_set():
-                readable, _, _ = select.select([client, server], [], [], 0.5)
-                for sock in readable:
-                    data = sock.recv(65536)
-                    if not data:
-                        return
-                    if sock is server and self.lose > 0:
-                        self.lose -= 1
-                        return  # the reply dies with the connection
-                    (server if sock is client else client).sendall(data)
-        except OSError:
-            return
-        finally:
-            for sock in (client, server):
-                sock.close()
-
-
 @pytest.fixture
-def lossy() -> Iterator[LossyProxy]:
-    with LossyProxy(SERVER.hostname or "127.0.0.1", SERVER.port or 6379) as proxy:
+def lossy() -> Iterator[CountingProxy]:
+    with CountingProxy(SERVER.hostname or "127.0.0.1", SERVER.port or 6379) as proxy:
         yield proxy
 
 
@@ -310,14 +281,14 @@ def our_waiters(backend: RedisBackend) -> int | None:
 
 
 def test_an_acquire_whose_reply_was_lost_is_read_back_as_ours(
-    lossy: LossyProxy, prefix: str
+    lossy: CountingProxy, prefix: str
 ) -> None:
     backend = open_backend(prefix, via(lossy))
     check = open_backend(prefix)
     backend.get("job:warm")
-    lossy.lose = 1
+    lossy.drop_next_reply()
     lease = backend.try_acquire("job:lost-reply", holder(), None)
-    assert lossy.lose == 0  # the reply was lost
+    assert lossy.dropped == 1  # the reply was lost
     assert lease is not None  # the retry found the lease its first attempt made
     held = check.get("job:lost-reply")
     assert held == lease
@@ -329,25 +300,25 @@ def test_an_acquire_whose_reply_was_lost_is_read_back_as_ours(
 
 
 def test_a_release_whose_reply_was_lost_returns_its_record_once(
-    lossy: LossyProxy, prefix: str
+    lossy: CountingProxy, prefix: str
 ) -> None:
     backend = open_backend(prefix, via(lossy))
     lease = backend.try_acquire("job:lost-release", holder(), None)
     assert lease is not None
-    lossy.lose = 1
+    lossy.drop_next_reply()
     record = backend.release(lease, Outcome.FAILED, "ValueError", "boom")
-    assert lossy.lose == 0
+    assert lossy.dropped == 1
     assert record is not None and record.outcome is Outcome.FAILED
     assert backend.history(key="job:lost-release") == [record]
     assert backend.release(lease, Outcome.FAILED) is None  # a second call is not a retry
     backend.close()
 
 
-def test_an_acquire_lost_beyond_retries_leaves_no_orphan(lossy: LossyProxy, prefix: str) -> None:
+def test_an_acquire_lost_beyond_retries_leaves_no_orphan(lossy: CountingProxy, prefix: str) -> None:
     backend = open_backend(prefix, via(lossy), retries=0)
     check = open_backend(prefix)
     backend.get("job:warm")
-    lossy.lose = 1
+    lossy.drop_next_reply()
     with pytest.raises(BackendError) as raised:
         backend.try_acquire("job:orphan", holder(), None)
     assert isinstance(raised.value.__cause__, redis.ConnectionError)

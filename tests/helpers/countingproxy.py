@@ -8,6 +8,10 @@ point: that is one network wait for the client.
     with CountingProxy("127.0.0.1", 5432) as proxy:
         connect to ("127.0.0.1", proxy.port) ...
         proxy.reset(); do_something(); assert proxy.round_trips == 1
+
+It can also lose a reply: ``drop_next_reply()`` lets the next request reach the server
+and run, then cuts the connection before the answer gets back, as a network failure would
+(the client cannot know whether its command ran).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ class CountingProxy:
         self._last_activity = time.monotonic()
         self._closing = threading.Event()
         self._connections: list[socket.socket] = []
+        self._to_drop = 0
+        #: Replies lost so far by ``drop_next_reply``.
+        self.dropped = 0
         self._thread = threading.Thread(target=self._accept, daemon=True)
 
     def __enter__(self) -> CountingProxy:
@@ -58,6 +65,11 @@ class CountingProxy:
             if idle >= quiet:
                 return
             time.sleep(quiet - idle)
+
+    def drop_next_reply(self) -> None:
+        """Lose the server's next reply, cutting its connection."""
+        with self._lock:
+            self._to_drop += 1
 
     def kill_connections(self) -> None:
         """Cut every proxied connection at once, as a network failure would."""
@@ -104,11 +116,17 @@ class CountingProxy:
                         self._last_activity = time.monotonic()
                         if sock is client and not last_from_client:
                             self._round_trips += 1
+                        if sock is server and self._to_drop > 0:
+                            self._to_drop -= 1
+                            self.dropped += 1
+                            return  # the reply dies with the connection, cut below
                     last_from_client = sock is client
                     peers[sock].sendall(data)
         except OSError:
             return
         finally:
             for sock in (client, server):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
                 with contextlib.suppress(OSError):
                     sock.close()
