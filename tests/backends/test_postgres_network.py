@@ -4,8 +4,9 @@ transaction-mode pooler (refused).
 
 The proxies here are real TCP proxies on loopback: ``CountingProxy`` (tests/helpers) counts
 round trips, and its ``drop_next_reply`` loses one reply and cuts the connection, as a
-network failure after the server committed would; ``TransactionPooler`` hands every transaction to the next
-of two server connections, as PgBouncer's ``pool_mode=transaction`` does under load.
+network failure after the server committed would; ``TransactionPooler`` hands every
+transaction to the next of two server connections, as PgBouncer's ``pool_mode=transaction``
+does under load.
 """
 
 # ruff: noqa: F811 - the fixtures imported from test_postgres are redefined as parameters
