@@ -28,7 +28,7 @@ from celery_dlock.keys import validate_key
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 from celery_dlock.renewal import Renewer
 
-__all__ = ["Lock", "lock", "shared_backend"]
+__all__ = ["Lock", "lock", "shared_backend", "validate_wait"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -65,7 +65,8 @@ def forget_shared_backends() -> None:
         _shared.clear()
 
 
-def _validate_wait(wait: float | None) -> float | None:
+def validate_wait(wait: float | None) -> float | None:
+    """``wait`` as float seconds, or None for no limit; a ConfigurationError otherwise."""
     if wait is None:
         return None
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0:
@@ -107,7 +108,7 @@ class Lock:
         self.backend = shared_backend(backend) if isinstance(backend, str) else backend
         self.key = validate_key(key)
         self.ttl = validate_ttl(ttl)
-        self.wait = _validate_wait(wait)
+        self.wait = validate_wait(wait)
         self.holder = holder
         self.renew_in_background = self.ttl is not None if renew is None else renew
         self.on_lost = on_lost
@@ -144,7 +145,7 @@ class Lock:
         """
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
-        limit = self.wait if wait is DEFAULT else _validate_wait(wait)
+        limit = self.wait if wait is DEFAULT else validate_wait(wait)
         deadline = None if limit is None else time.monotonic() + limit
         holder = self.holder or Holder.current()
         while True:

@@ -50,7 +50,7 @@ from celery_dlock.errors import (
     LockNotAcquiredError,
 )
 from celery_dlock.keys import KeyTemplate
-from celery_dlock.lock import DEFAULT, Lock, shared_backend
+from celery_dlock.lock import DEFAULT, Lock, shared_backend, validate_wait
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception, new_token
 
 __all__ = ["LockedTask"]
@@ -389,11 +389,10 @@ def _check_options(cls: type[LockedTask], name: str) -> None:
     try:
         if cls.lock_ttl is not DEFAULT:
             validate_ttl(cls.lock_ttl)
-        wait = cls.lock_wait
-        if wait is not None and (
-            isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait < 0
-        ):
-            raise ConfigurationError(f"lock_wait must be seconds >= 0 or None, not {wait!r}")
+        try:
+            validate_wait(cls.lock_wait)
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"lock_wait: {exc}") from None
         if not callable(cls.on_locked) and cls.on_locked not in _ON_LOCKED:
             choices = ", ".join(_ON_LOCKED)
             raise ConfigurationError(

@@ -255,13 +255,15 @@ def expired(lease: Lease, now: float) -> bool:
     return lease.expires_at is not None and lease.expires_at <= now
 
 
-def remembered(record: Record) -> bool:
-    """Whether ``record`` becomes its key's last success for its task (``last_success``)."""
-    return (
-        record.outcome is Outcome.SUCCEEDED
-        and record.result is not None
-        and record.lease.holder.task_name is not None
-    )
+def remembered(outcome: Outcome | str, result: Any, task_name: str | None) -> str | None:
+    """The task name under which a release becomes its key's last success (``last_success``,
+    for ``once``): a success with a result, of a holder with a task name; else None.
+
+    The one statement of the rule, for every backend, whatever form it holds a record in.
+    """
+    if Outcome(outcome) is Outcome.SUCCEEDED and result is not None:
+        return task_name
+    return None
 
 
 def retried(lease: Lease, successor: Holder, now: float) -> Record:

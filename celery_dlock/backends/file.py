@@ -236,8 +236,8 @@ class FileBackend(LockBackend):
                     os.fsync(self._segment[1])
         except OSError as exc:
             raise BackendError(f"cannot append to the history: {exc}", self.url) from exc
-        task_name = record.lease.holder.task_name
-        if remembered(record) and task_name is not None:
+        task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
+        if task_name is not None:
             self._write_success(record, task_name)
 
     def _write_success(self, record: Record, task_name: str) -> None:

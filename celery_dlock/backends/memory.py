@@ -235,6 +235,6 @@ class MemoryBackend(LockBackend):
             self._history.insert(bisect.bisect_right(times, record.released_at), record)
         else:
             self._history.append(record)
-        task_name = record.lease.holder.task_name
-        if remembered(record) and task_name is not None:
+        task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
+        if task_name is not None:
             self._successes[(record.key, task_name)] = record

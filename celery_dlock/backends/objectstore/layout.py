@@ -25,10 +25,11 @@ import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from celery_dlock.backends.base import remembered
 from celery_dlock.backends.file import file_name
 from celery_dlock.backends.objectstore.store import Found
 from celery_dlock.errors import BackendError
-from celery_dlock.records import Lease, Outcome
+from celery_dlock.records import Lease
 
 __all__ = ["HistoryName", "Layout", "LockState", "answers_once", "encode", "lock_body", "us"]
 
@@ -51,11 +52,8 @@ def encode(data: dict[str, Any]) -> bytes:
 def answers_once(record: dict[str, Any]) -> bool:
     """Whether ``record`` (a ``Record.to_dict()``) is a ``last_success`` answer: a success
     with a result, of a holder with a task name."""
-    return (
-        record["outcome"] == Outcome.SUCCEEDED.value
-        and record["result"] is not None
-        and record["lease"]["holder"]["task_name"] is not None
-    )
+    task_name = record["lease"]["holder"]["task_name"]
+    return remembered(record["outcome"], record["result"], task_name) is not None
 
 
 class HistoryName(NamedTuple):

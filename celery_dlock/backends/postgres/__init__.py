@@ -69,7 +69,13 @@ from typing import Any, ClassVar
 import psycopg
 from psycopg.types.numeric import Int8
 
-from celery_dlock.backends.base import Capabilities, LockBackend, ProcessLocal, validate_ttl
+from celery_dlock.backends.base import (
+    Capabilities,
+    LockBackend,
+    ProcessLocal,
+    remembered,
+    validate_ttl,
+)
 from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url, translate
 from celery_dlock.backends.postgres.recovery import (
@@ -217,7 +223,7 @@ class PostgresBackend(LockBackend):
         params: dict[str, Any] = {"key": lease.key, "token": lease.token}
         params |= {"outcome": outcome.value, "problem": problem, "details": details}
         params["result"] = result_json
-        if rows.remembered(lease, outcome, result):
+        if remembered(outcome, result, lease.holder.task_name) is not None:
             statement = self._sql.release_success
         elif problem is None and details is None and result_json is None:
             statement = self._sql.release_bare
@@ -279,8 +285,8 @@ class PostgresBackend(LockBackend):
             "details": rows.text(record.details, DETAILS_LIMIT),
             "result": result_json,
         }
-        remembered = rows.remembered(lease, outcome, record.result)
-        statement = self._sql.add_record_success if remembered else self._sql.add_record
+        success = remembered(outcome, record.result, lease.holder.task_name) is not None
+        statement = self._sql.add_record_success if success else self._sql.add_record
         self._write(statement, params, "add_record")
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:

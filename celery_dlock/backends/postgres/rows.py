@@ -10,7 +10,7 @@ from typing import Any
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record, truncate_utf8
 
-__all__ = ["lease", "record", "remembered", "result_json", "text", "timestamp"]
+__all__ = ["lease", "record", "result_json", "text", "timestamp"]
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
@@ -24,12 +24,6 @@ def lease(row: Any) -> Lease:
 def record(row: Any) -> Record:
     """A record from a lease's columns and ``released_at, outcome, problem, details, result``."""
     return Record(lease(row), row[6], Outcome(row[7]), row[8], row[9], row[10])
-
-
-def remembered(held: Lease, outcome: Outcome, result: Any) -> bool:
-    """Whether a record becomes its key's last success for its task (``last_success``)."""
-    named = held.holder.task_name is not None
-    return outcome is Outcome.SUCCEEDED and result is not None and named
 
 
 def timestamp(seconds: float) -> datetime:

@@ -269,8 +269,8 @@ class RedisBackend(LockBackend):
     ) -> Record | None:
         outcome = Outcome(outcome)
         key = lease.key
-        task_name = lease.holder.task_name
-        marker = outcome is Outcome.SUCCEEDED and result is not None and task_name is not None
+        task_name = remembered(outcome, result, lease.holder.task_name)
+        marker = task_name is not None
         if marker:
             names = self._layout.names(key)
             keys = [*names[:5], self._layout.marker(key, str(task_name))]
@@ -305,8 +305,8 @@ class RedisBackend(LockBackend):
     def add_record(self, record: Record) -> None:
         keys = [self._layout.history(self._layout.bucket(record.key))]
         marker_ms = ""
-        task_name = record.lease.holder.task_name
-        if remembered(record) and task_name is not None:
+        task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
+        if task_name is not None:
             keys.append(self._layout.marker(record.key, task_name))
             marker_ms = self._success_ms
         first_id = max(0, _ms_floor(record.released_at) + 2)
