@@ -408,6 +408,39 @@ def test_threads_share_one_lock_session(backend: PostgresBackend, admin: Any, sc
     assert pids == {session_pid(backend)}
 
 
+def test_the_lock_session_passes_every_value_type_through_its_prepared_statements(
+    backend: PostgresBackend,
+) -> None:
+    client = backend._clients.get()
+    statement = (
+        "SELECT %(big)s::int8, %(float)s::float8, %(flag)s::bool, %(text)s::text, "
+        "%(doc)s::json, %(none)s::text, %(fences)s::int8[] = ARRAY[1, 2, -3]::int8[], "
+        "%(big)s::int8 - 1, count(*) FROM pg_prepared_statements WHERE name LIKE 'celery_dlock_%'"
+    )
+    values = {
+        "big": -(2**62),
+        "float": 0.1 + 0.2,
+        "flag": False,
+        "text": "ünï'\"\\ code",
+        "doc": '{"a": [1, null]}',
+        "none": None,
+        "fences": [1, 2, -3],
+    }
+    with client.mutex:
+        session = client.open()
+        first = session.one(statement, values)
+        again = session.one(statement, values)
+        with pytest.raises(TypeError, match="no text format for a object parameter"):
+            session.one(statement, {**values, "text": object()})
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            session.one("SELECT 1 / %(zero)s::int", {"zero": 0})
+        assert session.one("SELECT %(one)s::int", {"one": 1}) == (1,)  # still usable
+    assert first is not None and again is not None
+    assert first[:8] == (-(2**62), 0.1 + 0.2, False, values["text"], {"a": [1, None]}, None,
+                         True, -(2**62) - 1)  # fmt: skip
+    assert again[8] == first[8]  # prepared once per session, not once per call
+
+
 def test_forked_child_opens_its_own_session_and_leaves_the_parents_alone(
     backend: PostgresBackend, admin: Any, tmp_path: Path, schema: str
 ) -> None:

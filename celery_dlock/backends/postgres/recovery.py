@@ -19,9 +19,7 @@ __all__ = ["failed", "one", "refuse", "resolve_release", "undo_acquire"]
 
 def one(session: Session, statement: str, params: dict[str, Any]) -> Any:
     """The first row of a prepared statement on the lock session, or None."""
-    cursor = session.cursor
-    cursor.execute(statement, params, prepare=True)
-    return cursor.fetchone()
+    return session.one(statement, params)
 
 
 def failed(client: Client, session: Session, exc: psycopg.Error, url: str, what: str) -> None:
