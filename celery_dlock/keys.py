@@ -131,11 +131,22 @@ class KeyTemplate:
         self.signature = inspect.signature(func)
         self.callable: Callable[..., Any] | None = None
         self.template = ""
+        # The parameters a call can be mapped onto without ``Signature.bind`` (the common
+        # case: no *args, **kwargs or keyword-only parameters), with their defaults.
+        simple = all(p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values())
+        self._names = tuple(self.signature.parameters) if simple else None
+        self._defaults = {
+            p.name: p.default
+            for p in self.signature.parameters.values()
+            if p.default is not p.empty
+        }
+        self._parts: list[tuple[str, str | None, str | None, str | None]] = []
         if callable(source):
             self.callable = source
         elif isinstance(source, str):
             self.template = _LITERAL_PLACEHOLDER.sub(r"{\1}", source)
             self._check_placeholders(source)
+            self._parts = list(_FORMATTER.parse(self.template))
         else:
             raise LockKeyError(
                 f"lock_key of {self.owner} must be a str template or a callable, "
@@ -170,18 +181,42 @@ class KeyTemplate:
             LockKeyError: an argument is missing, a placeholder cannot be resolved, a value
                 has no canonical text, or the key is empty, too long or has control chars.
         """
-        try:
-            bound = self.signature.bind(*args, **(kwargs or {}))
-        except TypeError as exc:
-            raise LockKeyError(f"cannot build the lock key of {self.owner}: {exc}") from None
-        bound.apply_defaults()
-        if self.callable is not None:
-            value = self.callable(*bound.args, **bound.kwargs)
-            body = value if isinstance(value, str) else canonical(value)
+        arguments = None if self.callable is not None else self._map(args, kwargs or {})
+        if arguments is not None:
+            body = self._fill(arguments)
         else:
-            body = self._fill(bound.arguments)
+            try:
+                bound = self.signature.bind(*args, **(kwargs or {}))
+            except TypeError as exc:
+                raise LockKeyError(f"cannot build the lock key of {self.owner}: {exc}") from None
+            bound.apply_defaults()
+            if self.callable is not None:
+                value = self.callable(*bound.args, **bound.kwargs)
+                body = value if isinstance(value, str) else canonical(value)
+            else:
+                body = self._fill(bound.arguments)
         key = f"{self.namespace}:{body}" if self.namespace else body
         return validate_key(key)
+
+    def _map(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The call's arguments by parameter name, as ``Signature.bind`` with defaults would
+        give them; None where only ``bind`` can tell (other kinds of parameters, a bad call:
+        ``bind`` then names the problem)."""
+        names = self._names
+        if names is None or len(args) > len(names):
+            return None
+        arguments = dict(zip(names, args, strict=False))  # fewer args than names: fine
+        for name, value in kwargs.items():
+            if name in arguments or name not in self.signature.parameters:
+                return None
+            arguments[name] = value
+        if len(arguments) < len(names):
+            for name in names:
+                if name not in arguments:
+                    if name not in self._defaults:
+                        return None
+                    arguments[name] = self._defaults[name]
+        return arguments
 
     def _fill(self, arguments: Mapping[str, Any]) -> str:
         values = dict(arguments)
@@ -189,7 +224,7 @@ class KeyTemplate:
             if parameter.kind is parameter.VAR_KEYWORD:
                 values.update(values.pop(parameter.name, {}))
         parts = []
-        for literal, name, spec, conversion in _FORMATTER.parse(self.template):
+        for literal, name, spec, conversion in self._parts:
             parts.append(literal)
             if name is None:
                 continue

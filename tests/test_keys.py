@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import inspect
 import uuid
 from dataclasses import dataclass
 from decimal import Decimal
@@ -50,6 +51,49 @@ def test_positional_and_keyword_calls_give_the_same_key() -> None:
         template.render((42,), {"amount": Decimal("10.500"), "currency": "EUR"}),
     }
     assert keys == {"job:order:42:EUR:10.5"}
+
+
+def invoice(customer: str, year: int, month: int = 1, draft: bool = False) -> None:
+    """Only positional-or-keyword parameters: keys are mapped without Signature.bind."""
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("ada", 2026), {}),
+        (("ada", 2026, 3), {}),
+        (("ada",), {"year": 2026, "draft": True}),
+        ((), {"month": 5, "year": 2026, "customer": "ada"}),
+        (("ada", 2026, 3, False), {}),
+    ],
+)
+def test_simple_signatures_map_calls_as_bind_does(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    template = KeyTemplate("inv:{customer}:{year}:{month}:{draft}", invoice)
+    bound = inspect.signature(invoice).bind(*args, **kwargs)
+    bound.apply_defaults()
+    expected = "job:inv:{customer}:{year}:{month}:{draft}".format(**bound.arguments)
+    assert template.render(args, kwargs) == expected.replace("True", "true").replace(
+        "False", "false"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "problem"),
+    [
+        (("ada", 2026, 3, False, "extra"), {}, "too many positional arguments"),
+        (("ada", 2026), {"year": 2027}, "multiple values for argument 'year'"),
+        (("ada", 2026), {"colour": "red"}, "unexpected keyword argument 'colour'"),
+        (("ada",), {}, "missing a required argument: 'year'"),
+    ],
+)
+def test_simple_signatures_refuse_bad_calls_as_bind_does(
+    args: tuple[Any, ...], kwargs: dict[str, Any], problem: str
+) -> None:
+    template = KeyTemplate("inv:{customer}:{year}", invoice)
+    with pytest.raises(LockKeyError, match=problem):
+        template.render(args, kwargs)
 
 
 def test_defaults_are_applied() -> None:
