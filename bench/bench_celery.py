@@ -11,6 +11,13 @@ Variants, interleaved round by round, each with a fresh `worker --pool=prefork -
 Throughput = N / (first send → the N-th body has run); each body is one Redis INCR.
 Target (issue 4): LockedTask ≥ 0.92× plain; on this machine type celery-singleton reached
 0.90× and celery-once 0.81× (shared/notes/anchor-benchmarks.md, table C).
+
+Throughput on a shared 2-core machine swings by ±20% from run to run, so each run also
+counts the CPU time that the same window cost: the worker and its children, every
+``postgres`` and ``redis-server`` process (broker, lock stores, anchors' Redis) and the
+producer (this process). CPU per task moves far less with other tenants' load; on a
+saturated machine throughput is cores / CPU per task, so ``plain CPU / variant CPU`` is the
+throughput ratio that the machine's capacity allows.
 """
 
 from __future__ import annotations
@@ -41,8 +48,32 @@ def store_url(kind: str, scratch: Path) -> str:
     return f"postgresql://postgres@127.0.0.1:5432/test?schema={schema}&auto_migrate=1"
 
 
-def run_once(variant: str, tasks: int, env: dict[str, str]) -> float:
-    """Tasks per second for one variant with a fresh worker."""
+def cpu_seconds(worker: int) -> float:
+    """CPU time used so far by the worker and its children, Postgres, Redis and us."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                text = stat.read()
+        except OSError:  # gone meanwhile
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        pid, parent = int(entry.name), int(fields[1])
+        if (
+            pid in (worker, os.getpid())
+            or parent == worker
+            or name.startswith(("postgres", "redis-server"))
+        ):
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def run_once(variant: str, tasks: int, env: dict[str, str]) -> tuple[float, float]:
+    """Tasks per second, and CPU seconds per task, for one variant with a fresh worker."""
     counter = redis.Redis.from_url(env["BENCH_COUNTER"])
     redis.Redis.from_url(env["BENCH_BROKER"]).flushdb()
     counter.flushdb()
@@ -68,6 +99,7 @@ def run_once(variant: str, tasks: int, env: dict[str, str]) -> float:
         while int(counter.get("bench:done") or 0) < WARMUP:
             time.sleep(0.002)
         counter.set("bench:done", 0)
+        cpu = cpu_seconds(worker.pid)
         started = time.perf_counter()
         for i in range(tasks):
             task.delay(i)
@@ -75,7 +107,8 @@ def run_once(variant: str, tasks: int, env: dict[str, str]) -> float:
             if time.perf_counter() - started > 300:
                 raise RuntimeError(f"{variant}: only {counter.get('bench:done')} of {tasks} ran")
             time.sleep(0.002)
-        return tasks / (time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        return tasks / elapsed, (cpu_seconds(worker.pid) - cpu) / tasks
     finally:
         worker.terminate()
         try:
@@ -121,31 +154,43 @@ def main() -> None:
     print(f"{options.tasks} no-op tasks × {options.rounds} rounds, prefork -c 2, "
           f"LockedTask store: {options.store}")  # fmt: skip
     rates: dict[str, list[float]] = {v: [] for v in variants}
+    cpus: dict[str, list[float]] = {v: [] for v in variants}
     for round_number in range(options.rounds):
         # Rotate the order each round, so that no variant always runs first.
         shift = round_number % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            rates[variant].append(run_once(variant, options.tasks, env))
-        line = ", ".join(f"{v} {rates[v][-1]:.0f}/s" for v in variants)
+            rate, cpu = run_once(variant, options.tasks, env)
+            rates[variant].append(rate)
+            cpus[variant].append(cpu)
+        line = ", ".join(f"{v} {rates[v][-1]:.0f}/s {cpus[v][-1] * 1e3:.2f} ms" for v in variants)
         print(f"round {round_number + 1}: {line}", flush=True)
 
-    print("\n| variant | tasks/s (min–max) | ratio to plain, paired per round (min–max) |")
-    print("|---|---|---|")
+    print(
+        "\n| variant | tasks/s (min–max) | ratio to plain, paired per round (min–max) "
+        "| CPU ms per task (min–max) | plain CPU / CPU, paired (min–max) |"
+    )
+    print("|---|---|---|---|---|")
     names = {"plain": "plain Celery", "locked": f"LockedTask ({options.store})",
              "advisory_floor": "raw pg advisory lock/unlock (floor of any Postgres lock)",
              "once": "celery-once", "singleton": "celery-singleton"}  # fmt: skip
     for variant in variants:
         ratios = [r / p for r, p in zip(rates[variant], rates["plain"], strict=True)]
+        used = [c * 1e3 for c in cpus[variant]]
+        spare = [p / c for c, p in zip(cpus[variant], cpus["plain"], strict=True)]
         print(
             f"| {names[variant]} | {statistics.median(rates[variant]):,.0f} "
             f"({min(rates[variant]):,.0f}–{max(rates[variant]):,.0f}) "
-            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) |"
+            f"| {statistics.median(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f}) "
+            f"| {statistics.median(used):.2f} ({min(used):.2f}–{max(used):.2f}) "
+            f"| {statistics.median(spare):.2f} ({min(spare):.2f}–{max(spare):.2f}) |"
         )
     locked_ratio = statistics.median(
         r / p for r, p in zip(rates["locked"], rates["plain"], strict=True)
     )
     verdict = "meets" if locked_ratio >= 0.92 else "MISSES"
     print(f"\nLockedTask / plain = {locked_ratio:.2f} ({verdict} the target of ≥ 0.92)")
+    capacity = statistics.median(p / c for c, p in zip(cpus["locked"], cpus["plain"], strict=True))
+    print(f"by CPU per task (capacity of a saturated machine): {capacity:.2f}")
     if "advisory_floor" in rates:
         to_floor = statistics.median(
             r / f for r, f in zip(rates["locked"], rates["advisory_floor"], strict=True)
@@ -157,6 +202,10 @@ def main() -> None:
             f"the raw advisory floor itself is {floor:.2f}× plain; LockedTask reaches "
             f"{to_floor:.2f}× that floor while also writing the lease row, fence and history"
         )
+        floor_cpu = statistics.median(
+            p / f for f, p in zip(cpus["advisory_floor"], cpus["plain"], strict=True)
+        )
+        print(f"by CPU per task: the floor is {floor_cpu:.2f}× plain, LockedTask {capacity:.2f}×")
 
 
 if __name__ == "__main__":
