@@ -12,12 +12,12 @@ Throughput = N / (first send → the N-th body has run); each body is one Redis 
 Target (issue 4): LockedTask ≥ 0.92× plain; on this machine type celery-singleton reached
 0.90× and celery-once 0.81× (shared/notes/anchor-benchmarks.md, table C).
 
-Throughput on a shared 2-core machine swings by ±20% from run to run, so each run also
-counts the CPU time that the same window cost: the worker and its children, every
-``postgres`` and ``redis-server`` process (broker, lock stores, anchors' Redis) and the
-producer (this process). CPU per task moves far less with other tenants' load; on a
-saturated machine throughput is cores / CPU per task, so ``plain CPU / variant CPU`` is the
-throughput ratio that the machine's capacity allows.
+Each run also counts the CPU time that the same window cost: the worker and its children,
+every ``postgres`` and ``redis-server`` process (broker, lock stores, anchors' Redis) and the
+producer (this process). On a saturated machine throughput is cores / CPU per task, so
+``plain CPU / variant CPU`` is the throughput ratio the machine's capacity allows, and the CPU
+figures show where a variant's cost goes. On a shared 2-core VM both views swing by about
+±15% from run to run: compare the paired medians.
 """
 
 from __future__ import annotations
