@@ -87,7 +87,9 @@ class Lock:
         holder: who holds; by default this process, with a fresh nonce per acquisition.
         renew: renew the lease from a background thread every ``ttl / 3`` while held
             (default: when ``ttl`` is set).
-        on_lost: called from the renewal thread when the lease is lost.
+        on_lost: called from a background thread when the lease is lost: a renewal found it
+            gone, or (leases without ``ttl`` on a store whose liveness is a session) the
+            holder's session ended.
 
     Raises:
         LockKeyError: ``key`` is empty, too long or has control characters.
@@ -114,6 +116,8 @@ class Lock:
         self.on_lost = on_lost
         self._lease: Lease | None = None
         self._renewer: Renewer | None = None
+        self._unwatch: Callable[[], None] | None = None
+        self._lost = threading.Event()
 
     @property
     def lease(self) -> Lease | None:
@@ -124,8 +128,10 @@ class Lock:
 
     @property
     def lost(self) -> bool:
-        """True once background renewal found the lease gone."""
-        return self._renewer is not None and self._renewer.lost.is_set()
+        """True once background renewal found the lease gone, or its session ended."""
+        if self._renewer is not None:
+            return self._renewer.lost.is_set()
+        return self._lost.is_set()
 
     def acquire(
         self,
@@ -168,8 +174,27 @@ class Lock:
 
     def _held(self, lease: Lease) -> None:
         self._lease = lease
+        self._lost.clear()
         if self.renew_in_background and self.ttl is not None:
             self._renewer = Renewer(self.backend, lease, self.ttl, self.on_lost).start()
+        else:
+            self._unwatch = self.backend.watch(lease, self._session_lost)
+
+    def _session_lost(self, lease: Lease) -> None:
+        """From the backend's watcher: the session that kept ``lease`` alive ended."""
+        self._lost.set()
+        logger.error(
+            "lease on %s (fence %d) was lost with its holder's session: another holder may "
+            "run now [%s]",
+            lease.key,
+            lease.fence,
+            mask_url(self.backend.url),
+        )
+        if self.on_lost is not None:
+            try:
+                self.on_lost(lease)
+            except Exception:
+                logger.exception("on_lost callback for %s failed", lease.key)
 
     def renew(self, ttl: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
         """Extend the lease to ``ttl`` seconds from now (default: the lock's ``ttl``).
@@ -222,6 +247,9 @@ class Lock:
             self._renewer.stop()
             lease = self._renewer.lease
             self._renewer = None
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         self._lease = None
         return lease
 

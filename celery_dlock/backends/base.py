@@ -194,6 +194,14 @@ class LockBackend(ABC):
         early. The caller tries again and calls again.
         """
 
+    def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None] | None:
+        """Call ``on_lost(lease)`` once, from a background thread, if this process learns
+        that ``lease`` died with the connection that kept it alive (a store whose liveness
+        is a session: the session ended). Returns a function that stops watching, or None
+        where leases do not die that way (they expire, and renewal reports the loss, or
+        they live as long as this process)."""
+        return None
+
     def server_time(self) -> float | None:
         """The store's own clock now, in seconds since the epoch, for the doctor's skew
         check; None where the store has no clock of its own (memory, file)."""

@@ -23,7 +23,7 @@ import pytest
 from dlock_support import eventually
 from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 
-from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome
+from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Lock, Outcome
 from celery_dlock.backends import backend_from_url
 from celery_dlock.records import DETAILS_LIMIT
 
@@ -275,6 +275,39 @@ def test_terminated_session_loses_its_leases_and_reap_records_them(
     assert backend.get("job:terminated") is None
     assert backend.release(kept, Outcome.SUCCEEDED) is None
     assert [r.outcome for r in backend.history(key="job:terminated")] == [Outcome.DISCONNECTED]
+
+
+def test_a_lease_without_ttl_is_reported_lost_soon_after_its_session_ends(
+    backends: Backends, admin: Any
+) -> None:
+    backend, other = backends(), backends()
+    lost: list[Lease] = []
+    lock = Lock(backend, "job:watched", None, on_lost=lost.append)
+    lease = lock.acquire()
+    assert not lock.lost
+    admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(backend),))
+    eventually(lambda: lost, "on_lost after the lock session was terminated", timeout=5)
+    assert lost == [lease] and lock.lost
+    taken = other.try_acquire("job:watched", holder(), None)
+    assert taken is not None and taken.fence > lease.fence
+    assert lock.release() is None  # its lease died with the session
+
+
+def test_leases_let_go_of_are_not_watched(backends: Backends, admin: Any) -> None:
+    backend = backends()
+    lost: list[Lease] = []
+    with Lock(backend, "job:done", None, on_lost=lost.append):
+        assert watchers()  # watched while held
+    kept = Lock(backend, "job:kept", None, on_lost=lost.append)
+    kept.acquire()
+    kept.detach()  # kept for a retry elsewhere: no longer this Lock's to report
+    admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(backend),))
+    eventually(lambda: not watchers(), "the idle watcher thread ended", timeout=5)
+    assert lost == []
+
+
+def watchers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "celery_dlock session watcher"]
 
 
 def test_live_holder_in_this_process_is_never_reaped(backends: Backends) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from dlock_support import eventually, unavailable
 
-from celery_dlock import Holder, Outcome, backend_from_url
+from celery_dlock import Holder, LockLostError, Outcome, backend_from_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.records import Lease, Record
 
@@ -238,6 +238,38 @@ def test_a_sigkilled_child_is_released_and_recorded_disconnected(worker: Worker)
     with pytest.raises(Exception, match=r"WorkerLostError|Worker exited"):
         result.get(timeout=30)
     print(f"\nkill → disconnected record: {record.released_at - killed_at:.3f} s")
+
+
+def test_a_body_whose_lock_session_ends_is_stopped_with_on_lock_lost_raise(
+    worker: Worker, lock_url: str
+) -> None:
+    if not lock_url.startswith("postgresql"):
+        pytest.skip("not applicable: a file lease lives as long as its process")
+    import psycopg
+
+    from celery_dlock.backends.postgres.sql import Names
+
+    order = uuid.uuid4().hex[:8]
+    key = f"job:fragile:{order}"
+    result = worker.tasks.fragile.delay(order)
+    body = started_body(worker, key)
+    space = Names(lock_url.split("schema=")[1], "").key_space("lease") & 0xFFFFFFFF
+    with psycopg.connect(lock_url.split("?", maxsplit=1)[0], autocommit=True) as admin:
+        [[pid]] = admin.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
+            "AND classid = %s::oid AND objid = %s::oid",
+            (space, body["fence"] & 0xFFFFFFFF),
+        ).fetchall()
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    with pytest.raises(LockLostError) as info:
+        result.get(timeout=30)
+    assert info.value.key == key and info.value.fence == body["fence"]
+    assert [e["event"] for e in worker.events() if e["key"] == key] == ["start"]  # stopped
+    taken = worker.store.try_acquire(key, Holder.current(), None)
+    assert taken is not None  # free for the next holder, whose takeover records the old one
+    [record] = [r for r in worker.history(key) if r.lease.token == body["token"]]
+    assert record.outcome is Outcome.DISCONNECTED
+    assert worker.store.release(taken, Outcome.SUCCEEDED) is not None
 
 
 def test_a_hard_time_limit_is_recorded_once(worker: Worker) -> None:

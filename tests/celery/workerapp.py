@@ -94,6 +94,20 @@ def hold(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
 @app.task(
     base=LockedTask,
     bind=True,
+    name="w.fragile",
+    lock_key="fragile:{order_id}",
+    on_lock_lost="raise",
+)
+def fragile(self: Any, order_id: str) -> None:
+    ledger("start", self)
+    for _ in range(600):
+        time.sleep(0.1)  # short sleeps: LockLostError is raised between two of them
+    ledger("end", self)
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
     name="w.soft",
     lock_key="soft:{order_id}",
     soft_time_limit=0.5,

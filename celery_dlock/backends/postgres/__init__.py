@@ -64,6 +64,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import psycopg
@@ -198,6 +199,11 @@ class PostgresBackend(LockBackend):
         if row[7] is not None:  # the old lease was this session's: its lock is let go
             session.held.pop(int(row[6]), None)
         return row[1:6]
+
+    def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None] | None:
+        """Report ``lease`` lost within about a second if this process's lock session ends
+        (server restart, ``pg_terminate_backend``, a broken connection) while it is held."""
+        return self._clients.get().watch(lease, on_lost)
 
     def _sweep(self, session: Session) -> None:
         """Let go of advisory locks whose lease is gone without our release: taken over by

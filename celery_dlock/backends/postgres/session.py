@@ -15,22 +15,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import re
+import select
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
 from psycopg import errors, generators
-from psycopg.pq import ExecStatus
+from psycopg.pq import ConnStatus, ExecStatus
 
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.sql import ddl
 from celery_dlock.errors import ConfigurationError
+from celery_dlock.records import Lease
 
 __all__ = ["Client", "Session", "connection_lost", "migrate"]
 
@@ -41,6 +44,10 @@ _POLITE_KEYS = 1024
 _LEAVER_IDLE = 5.0
 #: SQLSTATEs after which the server has ended the session (admin/crash shutdown, restarting).
 _SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+#: Seconds between two looks at the lock session by the watcher of leases without a ttl.
+WATCH_EVERY = 1.0
+
+logger = logging.getLogger("celery_dlock.postgres")
 
 
 def connection_lost(exc: psycopg.Error, conn: psycopg.Connection[Any]) -> bool:
@@ -192,6 +199,9 @@ class Client:
         self._opening = 0
         self._leaving: queue.SimpleQueue[psycopg.Connection[Any]] = queue.SimpleQueue()
         self._leaver: threading.Thread | None = None
+        self._watched: dict[int, tuple[Lease, Callable[[Lease], None]]] = {}
+        self._watch_mutex = threading.Lock()
+        self._watcher: threading.Thread | None = None
         _CLIENTS.add(self)
 
     # -- the lock session (callers hold ``mutex``) -------------------------------------
@@ -245,6 +255,65 @@ class Client:
         if session is not None:
             self.lost.update(session.held)
             _close_quietly(session.conn)
+
+    # -- watching for the end of the lock session -------------------------------------------
+
+    def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None]:
+        """Call ``on_lost(lease)`` once if the lock session ends while ``lease`` is watched:
+        a thread looks at the session every :data:`WATCH_EVERY` seconds (one look costs no
+        round trip: the server's goodbye or the socket's end is already there to read).
+        Returns the function that stops watching."""
+        fence = lease.fence
+        with self._watch_mutex:
+            self._watched[fence] = (lease, on_lost)
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=self._watch, name="celery_dlock session watcher", daemon=True
+                )
+                self._watcher.start()
+
+        def stop() -> None:
+            with self._watch_mutex:
+                self._watched.pop(fence, None)
+
+        return stop
+
+    def _watch(self) -> None:
+        """The watcher thread; it ends when a look finds nothing left to watch."""
+        while True:
+            time.sleep(WATCH_EVERY)
+            with self.mutex:
+                self._look()
+                lost = set(self.lost)
+            with self._watch_mutex:
+                ended = [self._watched.pop(f) for f in list(self._watched) if f in lost]
+                idle = not self._watched
+                if idle:
+                    self._watcher = None
+            for lease, on_lost in ended:
+                try:
+                    on_lost(lease)
+                except Exception:
+                    logger.exception("on_lost callback for %s failed", lease.key)
+            if idle:
+                return
+
+    def _look(self) -> None:
+        """Drop the lock session if the server ended it or its socket did (caller holds
+        ``mutex``, so no statement is under way and anything to read is unasked for)."""
+        session = self.session
+        if session is None:
+            return
+        pgconn = session.conn.pgconn
+        try:
+            if select.select([pgconn.socket], [], [], 0)[0]:
+                pgconn.consume_input()
+            ended = pgconn.status != ConnStatus.OK
+        except (psycopg.Error, OSError, ValueError):
+            ended = True
+        if ended:
+            logger.warning("the lock session (backend pid %d) ended", session.pid)
+            self.drop()
 
     # -- waiters ---------------------------------------------------------------------------
 
@@ -383,6 +452,9 @@ class Client:
         self._leaver = None
         self.mutex = threading.Lock()
         self._waiter_mutex = threading.Lock()
+        self._watched = {}
+        self._watch_mutex = threading.Lock()
+        self._watcher = None
 
 
 class _Baton:
