@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from celery_dlock.records import DETAILS_LIMIT
 psycopg = pytest.importorskip("psycopg")
 
 from celery_dlock.backends.postgres import PostgresBackend  # noqa: E402
+from celery_dlock.backends.postgres.session import WATCH_EVERY  # noqa: E402
 from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START, Names  # noqa: E402
 
 HELPERS = Path(__file__).parent.parent / "helpers"
@@ -304,6 +306,29 @@ def test_leases_let_go_of_are_not_watched(backends: Backends, admin: Any) -> Non
     admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(backend),))
     eventually(lambda: not watchers(), "the idle watcher thread ended", timeout=5)
     assert lost == []
+
+
+def test_the_watcher_keeps_a_healthy_session_on_a_high_descriptor(backends: Backends) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"not applicable: this process may open only {hard} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    try:
+        backend = backends()
+        lost: list[Lease] = []
+        lock = Lock(backend, "job:high-fd", None, on_lost=lost.append)
+        lock.acquire()
+        pid = session_pid(backend)
+        session = backend._clients.get().session
+        assert session is not None and session.conn.pgconn.socket > 1023  # beyond select()
+        time.sleep(WATCH_EVERY * 2.5)  # two looks of the watcher
+        assert not lost and not lock.lost and session_pid(backend) == pid
+        assert lock.release() is not None
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def watchers() -> list[threading.Thread]:

@@ -306,10 +306,12 @@ class Client:
             return
         pgconn = session.conn.pgconn
         try:
-            if select.select([pgconn.socket], [], [], 0)[0]:
+            poller = select.poll()  # not select(): descriptors above 1023 are common
+            poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if poller.poll(0):
                 pgconn.consume_input()
             ended = pgconn.status != ConnStatus.OK
-        except (psycopg.Error, OSError, ValueError):
+        except (psycopg.Error, OSError):
             ended = True
         if ended:
             logger.warning("the lock session (backend pid %d) ended", session.pid)
