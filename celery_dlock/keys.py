@@ -140,6 +140,11 @@ class KeyTemplate:
             for p in self.signature.parameters.values()
             if p.default is not p.empty
         }
+        #: The ``**kwargs`` parameter, whose entries a template reaches by their own names.
+        self._var_keyword = next(
+            (p.name for p in self.signature.parameters.values() if p.kind is p.VAR_KEYWORD),
+            None,
+        )
         self._parts: list[tuple[str, str | None, str | None, str | None]] = []
         if callable(source):
             self.callable = source
@@ -220,9 +225,8 @@ class KeyTemplate:
 
     def _fill(self, arguments: Mapping[str, Any]) -> str:
         values = dict(arguments)
-        for parameter in self.signature.parameters.values():
-            if parameter.kind is parameter.VAR_KEYWORD:
-                values.update(values.pop(parameter.name, {}))
+        if self._var_keyword is not None:
+            values.update(values.pop(self._var_keyword, {}))
         parts = []
         for literal, name, spec, conversion in self._parts:
             parts.append(literal)

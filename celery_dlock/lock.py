@@ -26,7 +26,7 @@ from celery_dlock.errors import (
 )
 from celery_dlock.keys import validate_key
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
-from celery_dlock.renewal import Renewer
+from celery_dlock.renewal import Renewer, report_lost
 
 __all__ = ["Lock", "lock", "shared_backend", "validate_wait"]
 
@@ -183,18 +183,8 @@ class Lock:
     def _session_lost(self, lease: Lease) -> None:
         """From the backend's watcher: the session that kept ``lease`` alive ended."""
         self._lost.set()
-        logger.error(
-            "lease on %s (fence %d) was lost with its holder's session: another holder may "
-            "run now [%s]",
-            lease.key,
-            lease.fence,
-            mask_url(self.backend.url),
-        )
-        if self.on_lost is not None:
-            try:
-                self.on_lost(lease)
-            except Exception:
-                logger.exception("on_lost callback for %s failed", lease.key)
+        where = mask_url(self.backend.url)
+        report_lost(lease, self.on_lost, f" with its holder's session [{where}]")
 
     def renew(self, ttl: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
         """Extend the lease to ``ttl`` seconds from now (default: the lock's ``ttl``).

@@ -18,7 +18,7 @@ from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import DLockError
 from celery_dlock.records import Lease
 
-__all__ = ["Renewer"]
+__all__ = ["Renewer", "report_lost"]
 
 logger = logging.getLogger("celery_dlock.renewal")
 
@@ -82,13 +82,20 @@ class Renewer:
 
     def _lose(self) -> None:
         self.lost.set()
-        logger.error(
-            "lease on %s (fence %d) was lost: another holder may run now",
-            self.lease.key,
-            self.lease.fence,
-        )
-        if self.on_lost is not None:
-            try:
-                self.on_lost(self.lease)
-            except Exception:
-                logger.exception("on_lost callback for %s failed", self.lease.key)
+        report_lost(self.lease, self.on_lost)
+
+
+def report_lost(lease: Lease, on_lost: Callable[[Lease], None] | None, how: str = "") -> None:
+    """Log that ``lease`` was lost (``how``: a phrase after "was lost") and call ``on_lost``;
+    an exception from the callback is logged, not raised."""
+    logger.error(
+        "lease on %s (fence %d) was lost%s: another holder may run now",
+        lease.key,
+        lease.fence,
+        how,
+    )
+    if on_lost is not None:
+        try:
+            on_lost(lease)
+        except Exception:
+            logger.exception("on_lost callback for %s failed", lease.key)

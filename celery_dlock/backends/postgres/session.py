@@ -14,7 +14,6 @@ parent's session.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
@@ -28,6 +27,7 @@ from typing import Any
 
 import psycopg
 from psycopg import errors, generators
+from psycopg.adapt import Transformer
 from psycopg.pq import ConnStatus, ExecStatus
 
 from celery_dlock.backends.postgres.config import Config, translate
@@ -61,7 +61,7 @@ def connection_lost(exc: psycopg.Error, conn: psycopg.Connection[Any]) -> bool:
 class Session:
     """One open lock session: its connection, backend pid and the fences it holds."""
 
-    __slots__ = ("conn", "cursor", "held", "pid", "prepared", "swept")
+    __slots__ = ("conn", "cursor", "held", "pid", "prepared", "rows", "swept")
 
     def __init__(self, conn: psycopg.Connection[Any], pid: int) -> None:
         self.conn = conn
@@ -73,6 +73,8 @@ class Session:
         self.swept = 0.0
         #: Names of the statements ``one`` has prepared on this session.
         self.prepared: set[bytes] = set()
+        #: Turns ``one``'s results into the Python values a cursor would give.
+        self.rows = Transformer(conn)
 
     def one(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         """The first row of ``statement`` (psycopg's ``%(name)s`` placeholders), or None.
@@ -92,9 +94,9 @@ class Session:
         result = _check(self.conn.wait(generators.execute(pgconn))[-1])
         if not result.ntuples:
             return None
-        return tuple(
-            _column(result.ftype(i), result.get_value(0, i)) for i in range(result.nfields)
-        )
+        self.rows.set_pgresult(result)
+        row: tuple[Any, ...] = self.rows.load_row(0, tuple)
+        return row
 
 
 class _Prepared:
@@ -152,24 +154,6 @@ def _param(value: Any) -> bytes | None:
     if isinstance(value, list) and all(isinstance(v, int) for v in value):
         return ("{" + ",".join(str(int(v)) for v in value) + "}").encode()
     raise TypeError(f"no text format for a {type(value).__name__} parameter: {value!r}")
-
-
-_BOOL, _INTS, _FLOATS, _JSON = 16, (20, 21, 23, 26), (700, 701), (114, 3802)
-
-
-def _column(oid: int, value: bytes | None) -> Any:
-    """A result column in Postgres's text format as the Python value a cursor would give."""
-    if value is None:
-        return None
-    if oid in _INTS:
-        return int(value)
-    if oid in _FLOATS:
-        return float(value)
-    if oid == _BOOL:
-        return value == b"t"
-    if oid in _JSON:
-        return json.loads(value)
-    return value.decode()
 
 
 class Client:
