@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import pytest
 from dlock_support import eventually
+from helpers.services import lease_session_pids
 from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Lock, Outcome
@@ -32,7 +33,7 @@ psycopg = pytest.importorskip("psycopg")
 
 from celery_dlock.backends.postgres import PostgresBackend  # noqa: E402
 from celery_dlock.backends.postgres.session import WATCH_EVERY  # noqa: E402
-from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START, Names  # noqa: E402
+from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START  # noqa: E402
 
 HELPERS = Path(__file__).parent.parent / "helpers"
 T = TypeVar("T")
@@ -82,23 +83,6 @@ def backend(backends: Backends) -> PostgresBackend:
 
 def holder(task_name: str | None = None) -> Holder:
     return Holder.current(task_name=task_name)
-
-
-def lease_lock(schema: str, fence: int) -> tuple[int, int]:
-    """``(classid, objid)`` of a lease's advisory lock in ``pg_locks``: the schema's lease
-    space and the fence's low 32 bits."""
-    return Names(schema, "").key_space("lease") & 0xFFFFFFFF, fence & 0xFFFFFFFF
-
-
-def advisory_holders(admin: Any, schema: str, fence: int) -> list[int]:
-    """Backend pids that hold lease ``fence``'s advisory lock, read from ``pg_locks``."""
-    rows = admin.execute(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
-        "AND mode = 'ExclusiveLock' AND classid = %s::oid AND objid = %s::oid "
-        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        lease_lock(schema, fence),
-    ).fetchall()
-    return [int(row[0]) for row in rows]
 
 
 def session_pid(backend: PostgresBackend) -> int:
@@ -223,13 +207,13 @@ def test_each_lease_holds_an_advisory_lock_on_its_fence(
 ) -> None:
     lease = backend.try_acquire("job:advisory", holder(), None)
     assert lease is not None
-    assert advisory_holders(admin, schema, lease.fence) == [session_pid(backend)]
+    assert lease_session_pids(admin, schema, lease.fence) == [session_pid(backend)]
     row = admin.execute(
         f'SELECT backend_pid FROM "{backend.schema}".locks WHERE key = %s', ("job:advisory",)
     ).fetchone()
     assert row == (session_pid(backend),)
     backend.release(lease, Outcome.SUCCEEDED)
-    assert advisory_holders(admin, schema, lease.fence) == []
+    assert lease_session_pids(admin, schema, lease.fence) == []
 
 
 def test_killed_holder_process_loses_its_advisory_lock_and_is_recorded_disconnected(
@@ -242,13 +226,13 @@ def test_killed_holder_process_loses_its_advisory_lock_and_is_recorded_disconnec
     )
     assert process.stdout is not None
     old = Lease.from_dict(json.loads(process.stdout.readline()))
-    [holder_pid] = advisory_holders(admin, schema, old.fence)
+    [holder_pid] = lease_session_pids(admin, schema, old.fence)
     assert backend.try_acquire("job:sigkill", holder(), None) is None
     process.send_signal(signal.SIGKILL)
     process.wait()
     process.stdout.close()
     new = eventually(lambda: backend.try_acquire("job:sigkill", holder(), None), "takeover")
-    assert advisory_holders(admin, schema, old.fence) == []
+    assert lease_session_pids(admin, schema, old.fence) == []
     [record] = [r for r in backend.history(key="job:sigkill") if r.lease.token == old.token]
     assert record.outcome is Outcome.DISCONNECTED and record.problem == "disconnected"
     assert f"backend pid {holder_pid}" in (record.details or "")
@@ -263,7 +247,7 @@ def test_terminated_session_loses_its_leases_and_reap_records_them(
     assert lease is not None and kept is not None
     pid = session_pid(backend)
     admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    eventually(lambda: advisory_holders(admin, schema, lease.fence) == [], "the session ended")
+    eventually(lambda: lease_session_pids(admin, schema, lease.fence) == [], "the session ended")
 
     assert backend.release(lease, Outcome.SUCCEEDED) is None  # lost with the session
     assert backend.renew(kept, 60) is None
@@ -354,12 +338,12 @@ def test_retry_taking_over_from_another_client_frees_the_old_advisory_lock(
     assert old is not None
     new = second.try_acquire("job:retry", holder("t"), None, replace=old.token)
     assert new is not None
-    assert advisory_holders(admin, schema, old.fence) == [
+    assert lease_session_pids(admin, schema, old.fence) == [
         session_pid(first)
     ]  # first cannot know yet
     assert first.try_acquire("job:other", holder(), None) is not None  # sweeps on the way
-    assert advisory_holders(admin, schema, old.fence) == []
-    assert advisory_holders(admin, schema, new.fence) == [session_pid(second)]
+    assert lease_session_pids(admin, schema, old.fence) == []
+    assert lease_session_pids(admin, schema, new.fence) == [session_pid(second)]
 
 
 def test_retry_in_the_same_process_lets_go_of_the_old_advisory_lock(
@@ -369,8 +353,8 @@ def test_retry_in_the_same_process_lets_go_of_the_old_advisory_lock(
     assert old is not None
     new = backend.try_acquire("job:retry-here", holder("t"), None, replace=old.token)
     assert new is not None
-    assert advisory_holders(admin, schema, old.fence) == []
-    assert advisory_holders(admin, schema, new.fence) == [session_pid(backend)]
+    assert lease_session_pids(admin, schema, old.fence) == []
+    assert lease_session_pids(admin, schema, new.fence) == [session_pid(backend)]
 
 
 def test_expired_lease_of_this_session_is_unlocked_when_reaped(
@@ -380,7 +364,7 @@ def test_expired_lease_of_this_session_is_unlocked_when_reaped(
     assert lease is not None
     reaped = eventually(lambda: backend.reap() or None, "reap after the ttl")
     assert [(r.lease.token, r.outcome) for r in reaped] == [(lease.token, Outcome.EXPIRED)]
-    assert advisory_holders(admin, schema, lease.fence) == []
+    assert lease_session_pids(admin, schema, lease.fence) == []
 
 
 def test_force_release_is_conditional_and_frees_our_advisory_lock(
@@ -390,7 +374,7 @@ def test_force_release_is_conditional_and_frees_our_advisory_lock(
     assert lease is not None
     record = backend.force_release("job:force", "operator")
     assert record is not None and record.lease.token == lease.token
-    assert advisory_holders(admin, schema, lease.fence) == []
+    assert lease_session_pids(admin, schema, lease.fence) == []
     assert backend.release(lease, Outcome.SUCCEEDED) is None
 
 
@@ -462,7 +446,7 @@ def test_threads_share_one_lock_session(backend: PostgresBackend, admin: Any, sc
         thread.start()
     for thread in threads:
         thread.join()
-    pids = {pid for fence in fences for pid in advisory_holders(admin, schema, fence)}
+    pids = {pid for fence in fences for pid in lease_session_pids(admin, schema, fence)}
     assert pids == {session_pid(backend)}
 
 
@@ -522,7 +506,7 @@ def test_forked_child_opens_its_own_session_and_leaves_the_parents_alone(
     child_pid, got_own, refused = json.loads(out.read_text())
     assert child_pid != parent_pid and got_own and refused
     assert session_pid(backend) == parent_pid
-    assert advisory_holders(admin, schema, lease.fence) == [parent_pid]
+    assert lease_session_pids(admin, schema, lease.fence) == [parent_pid]
     assert backend.release(lease, Outcome.SUCCEEDED) is not None
 
 

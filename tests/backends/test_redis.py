@@ -30,8 +30,8 @@ from celery_dlock.backends import backend_from_url
 
 redis = pytest.importorskip("redis")
 
-from dlock_support import unavailable  # noqa: E402
 from helpers.countingproxy import CountingProxy  # noqa: E402
+from helpers.services import redis_client  # noqa: E402
 from stores.redis import URL, delete_prefix, store_url  # noqa: E402
 
 from celery_dlock.backends.redis import RedisBackend  # noqa: E402
@@ -43,13 +43,7 @@ _prefixes = itertools.count()
 @pytest.fixture
 def prefix() -> Iterator[str]:
     """A namespace of our own on the shared Redis, deleted afterwards."""
-    client = redis.Redis.from_url(URL, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        unavailable(f"Redis is not reachable at {URL}: {exc}")
-    finally:
-        client.close()
+    redis_client(URL).close()
     name = f"tr{os.getpid()}-{next(_prefixes)}"
     yield name
     delete_prefix(URL, name)

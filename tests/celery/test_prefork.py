@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from dlock_support import eventually, unavailable
+from helpers.services import lease_session_pids, postgres_admin
 
 from celery_dlock import Holder, LockLostError, Outcome, backend_from_url
 from celery_dlock.backends.base import LockBackend
@@ -245,21 +246,12 @@ def test_a_body_whose_lock_session_ends_is_stopped_with_on_lock_lost_raise(
 ) -> None:
     if not lock_url.startswith("postgresql"):
         pytest.skip("not applicable: a file lease lives as long as its process")
-    import psycopg
-
-    from celery_dlock.backends.postgres.sql import Names
-
     order = uuid.uuid4().hex[:8]
     key = f"job:fragile:{order}"
     result = worker.tasks.fragile.delay(order)
     body = started_body(worker, key)
-    space = Names(lock_url.split("schema=")[1], "").key_space("lease") & 0xFFFFFFFF
-    with psycopg.connect(lock_url.split("?", maxsplit=1)[0], autocommit=True) as admin:
-        [[pid]] = admin.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
-            "AND classid = %s::oid AND objid = %s::oid",
-            (space, body["fence"] & 0xFFFFFFFF),
-        ).fetchall()
+    with postgres_admin() as admin:
+        [pid] = lease_session_pids(admin, lock_url.split("schema=")[1], body["fence"])
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
     with pytest.raises(LockLostError) as info:
         result.get(timeout=30)

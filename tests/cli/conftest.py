@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dlock_support import unavailable
+from helpers.services import POSTGRES_URL, drop_schema, postgres_admin, with_options
+from helpers.services import redis_client as connect_redis
 
 from celery_dlock import backend_from_url
 from celery_dlock.backends.base import LockBackend
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
-POSTGRES_URL = os.environ.get("DLOCK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 REDIS_URL = os.environ.get("DLOCK_CLI_REDIS_URL", "redis://127.0.0.1:6379/4")
 #: Commands must not wait on anything for long; this only stops a hung test.
 COMMAND_TIMEOUT = 60
@@ -95,38 +95,12 @@ def popen_cli(*args: str) -> subprocess.Popen[bytes]:
 # -- stores -----------------------------------------------------------------------------------
 
 
-def postgres_admin() -> Any:
-    try:
-        import psycopg
-    except ImportError:
-        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
-    try:
-        return psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        unavailable(f"PostgreSQL is not reachable at {POSTGRES_URL}: {exc}".strip())
-
-
 def postgres_url(schema: str) -> str:
-    return f"{POSTGRES_URL}{'&' if '?' in POSTGRES_URL else '?'}schema={schema}"
-
-
-def drop_schema(admin: Any, schema: str) -> None:
-    admin.execute("SET lock_timeout = '20s'")
-    admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    return with_options(POSTGRES_URL, schema=schema)
 
 
 def redis_client() -> Any:
-    try:
-        import redis
-    except ImportError:
-        unavailable("redis-py is not installed: pip install 'celery-dlock[redis]'")
-    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        client.close()
-        unavailable(f"Redis is not reachable at {REDIS_URL}: {exc}")
-    return client
+    return connect_redis(REDIS_URL)
 
 
 @pytest.fixture(params=["file", "postgres", "redis"])

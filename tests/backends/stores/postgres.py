@@ -10,37 +10,16 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
-from dlock_support import unavailable
+from helpers.services import POSTGRES_URL as SERVER_URL
+from helpers.services import drop_schema, with_options
+from helpers.services import postgres_admin as admin_connection
 from storecase import StoreCase
 
+__all__ = ["NAME", "SERVER_URL", "admin_connection", "drop_schema", "open_store", "with_options"]
+
 NAME = "postgres"
-SERVER_URL = os.environ.get("DLOCK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-
-
-def with_options(url: str, **options: Any) -> str:
-    """``url`` with query options added."""
-    query = "&".join(f"{name}={value}" for name, value in options.items())
-    return f"{url}{'&' if '?' in url else '?'}{query}"
-
-
-def admin_connection() -> Any:
-    """An autocommit connection to the test server, or a visible skip if there is none."""
-    try:
-        import psycopg
-    except ImportError:
-        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
-    try:
-        return psycopg.connect(SERVER_URL, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        unavailable(f"PostgreSQL is not reachable at {SERVER_URL}: {exc}".strip())
-
-
-def drop_schema(admin: Any, schema: str) -> None:
-    admin.execute("SET lock_timeout = '20s'")
-    admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from dlock_support import unavailable
+from helpers.services import redis_client
 from storecase import StoreCase
 
 NAME = "redis"
@@ -44,19 +44,9 @@ def delete_prefix(url: str, prefix: str) -> None:
 
 @contextmanager
 def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[StoreCase]:
-    try:
-        import redis
-    except ImportError:
-        unavailable("redis-py is not installed: pip install 'celery-dlock[redis]'")
+    redis_client(URL).close()
     from celery_dlock.backends.redis import RedisBackend
 
-    probe = redis.Redis.from_url(URL, socket_connect_timeout=2)
-    try:
-        probe.ping()
-    except redis.RedisError as exc:
-        unavailable(f"Redis is not reachable at {URL}: {exc}")
-    finally:
-        probe.close()
     prefix = f"t{os.getpid()}-{next(_counter)}"
     url = store_url(prefix, buckets=BUCKETS)
     others: list[RedisBackend] = []

@@ -1,0 +1,65 @@
+"""The test servers, once for every test directory: PostgreSQL (``DLOCK_POSTGRES_URL``,
+default 127.0.0.1:5432, database ``test``) and Redis. A server that is not there is a visible
+skip (a failure under ``DLOCK_REQUIRE_ALL=1``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dlock_support import unavailable
+
+POSTGRES_URL = os.environ.get("DLOCK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def with_options(url: str, **options: Any) -> str:
+    """``url`` with query options added."""
+    query = "&".join(f"{name}={value}" for name, value in options.items())
+    return f"{url}{'&' if '?' in url else '?'}{query}"
+
+
+def postgres_admin() -> Any:
+    """An autocommit connection to the test server."""
+    try:
+        import psycopg
+    except ImportError:
+        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
+    try:
+        return psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        unavailable(f"PostgreSQL is not reachable at {POSTGRES_URL}: {exc}".strip())
+
+
+def drop_schema(admin: Any, schema: str) -> None:
+    admin.execute("SET lock_timeout = '20s'")
+    admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def lease_session_pids(admin: Any, schema: str, fence: int) -> list[int]:
+    """Backend pids whose session holds the advisory lock of lease ``fence`` of ``schema``
+    (``pg_locks``: the schema's lease space and the fence's low 32 bits)."""
+    from celery_dlock.backends.postgres.sql import Names
+
+    space = Names(schema, "").key_space("lease") & 0xFFFFFFFF
+    rows = admin.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
+        "AND mode = 'ExclusiveLock' AND classid = %s::oid AND objid = %s::oid "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        (space, fence & 0xFFFFFFFF),
+    ).fetchall()
+    return [int(row[0]) for row in rows]
+
+
+def redis_client(url: str) -> Any:
+    """A client of the Redis at ``url`` that answered a PING."""
+    try:
+        import redis
+    except ImportError:
+        unavailable("redis-py is not installed: pip install 'celery-dlock[redis]'")
+    client = redis.Redis.from_url(url, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        unavailable(f"Redis is not reachable at {url}: {exc}")
+    return client
