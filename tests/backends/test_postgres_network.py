@@ -23,15 +23,14 @@ from urllib.parse import urlsplit
 import pytest
 from dlock_support import eventually
 from helpers.countingproxy import CountingProxy
+from helpers.services import lease_lock, lease_session_pids
 from stores.postgres import SERVER_URL, with_options
 from test_postgres import (
     Backends,
     admin,  # noqa: F401
-    advisory_holders,
     backend,  # noqa: F401
     backends,  # noqa: F401
     holder,
-    lease_lock,
     schema,  # noqa: F401
     session_pid,
     url,  # noqa: F401
@@ -261,7 +260,7 @@ def test_release_on_a_dead_session_is_lost_and_left_for_reap(
     lease = backend.try_acquire("job:dead", holder(), None)
     assert lease is not None
     admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(backend),))
-    eventually(lambda: advisory_holders(admin, schema, lease.fence) == [], "the session ended")
+    eventually(lambda: lease_session_pids(admin, schema, lease.fence) == [], "the session ended")
     assert backend.release(lease, Outcome.SUCCEEDED) is None  # did not land: lost
     assert [r.outcome for r in backend.reap()] == [Outcome.DISCONNECTED]
 

@@ -35,17 +35,21 @@ def drop_schema(admin: Any, schema: str) -> None:
     admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
-def lease_session_pids(admin: Any, schema: str, fence: int) -> list[int]:
-    """Backend pids whose session holds the advisory lock of lease ``fence`` of ``schema``
-    (``pg_locks``: the schema's lease space and the fence's low 32 bits)."""
+def lease_lock(schema: str, fence: int) -> tuple[int, int]:
+    """``(classid, objid)`` of a lease's advisory lock in ``pg_locks``: the schema's lease
+    space and the fence's low 32 bits."""
     from celery_dlock.backends.postgres.sql import Names
 
-    space = Names(schema, "").key_space("lease") & 0xFFFFFFFF
+    return Names(schema, "").key_space("lease") & 0xFFFFFFFF, fence & 0xFFFFFFFF
+
+
+def lease_session_pids(admin: Any, schema: str, fence: int) -> list[int]:
+    """Backend pids whose session holds the advisory lock of lease ``fence`` of ``schema``."""
     rows = admin.execute(
         "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
         "AND mode = 'ExclusiveLock' AND classid = %s::oid AND objid = %s::oid "
         "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        (space, fence & 0xFFFFFFFF),
+        lease_lock(schema, fence),
     ).fetchall()
     return [int(row[0]) for row in rows]
 
