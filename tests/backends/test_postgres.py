@@ -32,7 +32,6 @@ from celery_dlock.records import DETAILS_LIMIT
 psycopg = pytest.importorskip("psycopg")
 
 from celery_dlock.backends.postgres import PostgresBackend  # noqa: E402
-from celery_dlock.backends.postgres.session import WATCH_EVERY  # noqa: E402
 from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START  # noqa: E402
 
 HELPERS = Path(__file__).parent.parent / "helpers"
@@ -304,9 +303,12 @@ def test_the_watcher_keeps_a_healthy_session_on_a_high_descriptor(backends: Back
         lock = Lock(backend, "job:high-fd", None, on_lost=lost.append)
         lock.acquire()
         pid = session_pid(backend)
-        session = backend._clients.get().session
+        client = backend._clients.get()
+        session = client.session
         assert session is not None and session.conn.pgconn.socket > 1023  # beyond select()
-        time.sleep(WATCH_EVERY * 2.5)  # two looks of the watcher
+        for _ in range(2):  # two looks, as the watcher thread takes them
+            with client.mutex:
+                client._look()
         assert not lost and not lock.lost and session_pid(backend) == pid
         assert lock.release() is not None
     finally:
