@@ -7,7 +7,6 @@ lives in one process) skip it with the reason; a missing server is handled by th
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from typing import TypeVar
 
 import pytest
 from dlock_support import eventually
+from helpers.holders import kill, spawn_holder
 from storecase import StoreCase
 
 from celery_dlock import Holder, Lease, Lock, Outcome, Record
@@ -53,28 +53,6 @@ def needs_processes(store: StoreCase) -> str:
     if store.url is None or not store.backend.capabilities.cross_process:
         pytest.skip(f"not applicable: the {store.backend.name} store lives in one process")
     return store.url
-
-
-def spawn_holder(url: str, key: str, ttl: float | None) -> tuple[subprocess.Popen[str], Lease]:
-    args = [sys.executable, str(HELPERS / "hold.py"), url, key]
-    if ttl is not None:
-        args.append(str(ttl))
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    data = json.loads(line) if line else None
-    if data is None:
-        process.kill()
-        process.wait()
-        raise AssertionError(f"the holder process did not get {key!r}")
-    return process, Lease.from_dict(data)
-
-
-def kill(process: subprocess.Popen[str]) -> None:
-    process.kill()  # SIGKILL: no handler, no cleanup
-    process.wait()
-    if process.stdout is not None:
-        process.stdout.close()
 
 
 # -- acquire and refuse ----------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 
 import pytest
 from dlock_support import eventually
+from helpers.holders import kill, spawn_holder
 from helpers.services import lease_session_pids
 from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 
@@ -34,7 +34,6 @@ psycopg = pytest.importorskip("psycopg")
 from celery_dlock.backends.postgres import PostgresBackend  # noqa: E402
 from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START  # noqa: E402
 
-HELPERS = Path(__file__).parent.parent / "helpers"
 T = TypeVar("T")
 Backends = Callable[..., PostgresBackend]
 
@@ -218,18 +217,10 @@ def test_each_lease_holds_an_advisory_lock_on_its_fence(
 def test_killed_holder_process_loses_its_advisory_lock_and_is_recorded_disconnected(
     url: str, backend: PostgresBackend, admin: Any, schema: str
 ) -> None:
-    process = subprocess.Popen(
-        [sys.executable, str(HELPERS / "hold.py"), url, "job:sigkill"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    old = Lease.from_dict(json.loads(process.stdout.readline()))
+    process, old = spawn_holder(url, "job:sigkill")
     [holder_pid] = lease_session_pids(admin, schema, old.fence)
     assert backend.try_acquire("job:sigkill", holder(), None) is None
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    process.stdout.close()
+    kill(process)
     new = eventually(lambda: backend.try_acquire("job:sigkill", holder(), None), "takeover")
     assert lease_session_pids(admin, schema, old.fence) == []
     [record] = [r for r in backend.history(key="job:sigkill") if r.lease.token == old.token]

@@ -3,34 +3,24 @@ configuration order (shared/notes/celery-5.7-facts.md §6)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
+from helpers.holders import kill, spawn_holder
 
 from celery_dlock import Holder, Outcome, install
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.janitor import JANITOR_TASK, janitor_key, reap
 from celery_dlock.records import Lease
 
-HELPERS = Path(__file__).parent.parent / "helpers"
-
 
 def dead_holder_lease(url: str, key: str) -> Lease:
     """A lease held by a process that we then SIGKILL."""
-    process = subprocess.Popen(
-        [sys.executable, str(HELPERS / "hold.py"), url, key], stdout=subprocess.PIPE, text=True
-    )
-    assert process.stdout is not None
-    lease = Lease.from_dict(json.loads(process.stdout.readline()))
-    process.kill()
-    process.wait()
-    process.stdout.close()
+    process, lease = spawn_holder(url, key)
+    kill(process)
     return lease
 
 

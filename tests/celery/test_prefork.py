@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from dlock_support import eventually, unavailable
+from helpers.holders import kill, spawn_holder
 from helpers.services import lease_session_pids, postgres_admin
 
 from celery_dlock import Holder, LockLostError, Outcome, backend_from_url
@@ -31,7 +32,6 @@ from celery_dlock.records import Lease, Record
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-HELPERS = HERE.parent / "helpers"
 BROKER_DB, RESULTS_DB = 2, 3
 
 
@@ -333,16 +333,8 @@ def test_beat_triggers_the_janitor_which_reaps_a_dead_holder(
     tmp_path: Path, redis_url: str, lock_url: str
 ) -> None:
     # A holder that was SIGKILLed outside any worker: only the janitor can clear it.
-    process = subprocess.Popen(
-        [sys.executable, str(HELPERS / "hold.py"), lock_url, "job:orphan"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    orphan = Lease.from_dict(json.loads(process.stdout.readline()))
-    process.kill()
-    process.wait()
-    process.stdout.close()
+    process, orphan = spawn_holder(lock_url, "job:orphan")
+    kill(process)
     with running(tmp_path, redis_url, lock_url, DLOCK_TEST_JANITOR="1") as janitor_worker:
         env = janitor_worker.env
         beat_args = [

@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import HERE, CliStore, popen_cli, run_celery, run_cli
+from clitools import CliStore, popen_cli, run_celery, run_cli
+from helpers.holders import kill, spawn_holder
 
 from celery_dlock.records import Holder, Lease, Outcome, Record
-
-HOLD = HERE.parent / "helpers" / "hold.py"
 
 
 def hold(store: CliStore, key: str, ttl: float | None = None, task_id: str = "t-1") -> Lease:
@@ -304,13 +301,8 @@ def _read_until(stream: Any, marker: bytes) -> bytes:
 
 def test_reap_records_a_sigkilled_holder(store: CliStore) -> None:
     # Redis has no liveness but expiry: the holder takes a short ttl and is reaped as expired.
-    ttl = ["0.5"] if store.name == "redis" else []
-    command = [sys.executable, str(HOLD), store.url, "job:order:42", *ttl]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as holder:
-        assert holder.stdout is not None
-        held = Lease.from_dict(json.loads(holder.stdout.readline()))
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
+    holder, held = spawn_holder(store.url, "job:order:42", 0.5 if store.name == "redis" else None)
+    kill(holder)
 
     counts = _reap_until_one_reaped(store)
 
@@ -345,7 +337,8 @@ def test_reap_prints_counts(file_store: CliStore) -> None:
 
 
 def test_migrate_creates_the_postgres_schema_idempotently() -> None:
-    from conftest import drop_schema, postgres_admin, postgres_url
+    from clitools import postgres_url
+    from helpers.services import drop_schema, postgres_admin
 
     admin = postgres_admin()
     schema = f"dlock_cli_{os.urandom(5).hex()}"

@@ -11,16 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import (
-    REDIS_URL,
-    CliStore,
-    drop_schema,
-    postgres_admin,
-    postgres_url,
-    redis_client,
-    run_celery,
-    run_cli,
-)
+from clitools import REDIS_URL, CliStore, postgres_url, redis_client, run_celery, run_cli
+from helpers.services import drop_schema, postgres_admin
 
 from celery_dlock import backend_from_url
 from celery_dlock.records import Holder

@@ -1,0 +1,38 @@
+"""A lock holder in a process of its own (``hold.py``), for tests that SIGKILL it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from celery_dlock.records import Lease
+
+HOLD = Path(__file__).parent / "hold.py"
+
+
+def spawn_holder(
+    url: str, key: str, ttl: float | None = None
+) -> tuple[subprocess.Popen[str], Lease]:
+    """Start ``hold.py`` on ``url`` and return it with the lease it holds on ``key``."""
+    args = [sys.executable, str(HOLD), url, key]
+    if ttl is not None:
+        args.append(str(ttl))
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    data = json.loads(line) if line else None
+    if data is None:
+        process.kill()
+        process.wait()
+        raise AssertionError(f"the holder process did not get {key!r}")
+    return process, Lease.from_dict(data)
+
+
+def kill(process: subprocess.Popen[str]) -> None:
+    """SIGKILL ``process`` (no handler, no cleanup) and reap it."""
+    process.kill()
+    process.wait()
+    if process.stdout is not None:
+        process.stdout.close()
