@@ -212,17 +212,21 @@ class Lock:
         """Release the lease and record how it ended.
 
         Returns:
-            the record, or None if the lease had been lost (logged as ``lost``).
+            the record, or None if the lease had been lost (logged as ``lost``: an error,
+            or a warning when the loss was reported already while the lease was held).
         """
+        reported = self.lost
         lease = self.detach()
         record = self.backend.release(lease, outcome, problem, details, result)
         if record is None:
-            logger.error(
-                "lease on %s (fence %d) was lost before release [%s]: outcome %s not recorded",
+            logger.log(
+                logging.WARNING if reported else logging.ERROR,
+                "lease on %s (fence %d) was lost before release [%s] (outcome %s): %s not recorded",
                 lease.key,
                 lease.fence,
                 mask_url(self.backend.url),
                 Outcome.LOST,
+                Outcome(outcome),
             )
         return record
 

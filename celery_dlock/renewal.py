@@ -89,9 +89,10 @@ def report_lost(lease: Lease, on_lost: Callable[[Lease], None] | None, how: str 
     """Log that ``lease`` was lost (``how``: a phrase after "was lost") and call ``on_lost``;
     an exception from the callback is logged, not raised."""
     logger.error(
-        "lease on %s (fence %d) was lost%s: another holder may run now",
+        "lease on %s (fence %d) of %s was lost%s: another holder may run now",
         lease.key,
         lease.fence,
+        lease.holder.describe(),
         how,
     )
     if on_lost is not None:

@@ -367,17 +367,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     # -- a lost lease ------------------------------------------------------------------------
 
     def _lease_lost(self, lease: Lease, task_thread: int) -> None:
+        """The Lock has logged the loss (naming this task, the lease's holder); apply the
+        task's ``on_lock_lost`` policy."""
         policy = self.on_lock_lost
         if callable(policy):
             policy(lease)
-            return
-        logger.error(
-            "%s lost its lease on %s (fence %d) while running: another holder may run now",
-            self.name,
-            lease.key,
-            lease.fence,
-        )
-        if policy == "raise":
+        elif policy == "raise":
             # Raise LockLostError in the task's thread at its next Python instruction.
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(task_thread), ctypes.py_object(LockLostError)

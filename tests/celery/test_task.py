@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
@@ -251,16 +252,27 @@ def test_long_body_keeps_a_short_lease_by_renewal(store: MemoryBackend) -> None:
     assert record.outcome is Outcome.SUCCEEDED
 
 
-def test_on_lock_lost_raise_stops_the_body(store: MemoryBackend) -> None:
+def test_on_lock_lost_raise_stops_the_body(
+    store: MemoryBackend, caplog: pytest.LogCaptureFixture
+) -> None:
     run = new_run()
     key = f"job:doomed:{run}"
-    result = tasks.doomed.delay(run)
-    eventually(lambda: tasks.SEEN[run], "the body started")
-    assert store.force_release(key, "operator took it") is not None
-    with pytest.raises(LockLostError) as info:
-        result.get(timeout=15)
-    assert info.value.key == key and info.value.fence == tasks.SEEN[run][0]["fence"]
+    with caplog.at_level(logging.WARNING, logger="celery_dlock"):
+        result = tasks.doomed.delay(run)
+        eventually(lambda: tasks.SEEN[run], "the body started")
+        assert store.force_release(key, "operator took it") is not None
+        with pytest.raises(LockLostError) as info:
+            result.get(timeout=15)
+    fence = tasks.SEEN[run][0]["fence"]
+    assert info.value.key == key and info.value.fence == fence
     assert outcomes(store, key) == [Outcome.FORCED]
+    # One error line of ours for one lost lease, naming the key, its fence and the task;
+    # the release that finds it gone then says so as a warning.
+    ours = [r for r in caplog.records if r.name.startswith("celery_dlock")]
+    [lost] = [r.getMessage() for r in ours if r.levelno >= logging.ERROR]
+    assert key in lost and f"(fence {fence})" in lost and "t.doomed[" in lost
+    [late] = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
+    assert key in late and "(outcome lost): failed not recorded" in late
 
 
 # -- definition-time checks ---------------------------------------------------------------------
