@@ -22,11 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from benchlib import interleaved, print_table, ratio_per_round
+from benchlib import interleaved, our_variants, print_table, ratio_per_round
 
-from celery_dlock import Lock, Outcome
 from celery_dlock.backends.file import FileBackend
-from celery_dlock.records import Holder
 
 
 def main() -> None:
@@ -45,21 +43,9 @@ def main() -> None:
             os.unlink(raw_path)
 
         backend = FileBackend(os.path.join(directory, "dlock"))
-        holder = Holder.current()
-
-        def ours() -> None:
-            lease = backend.try_acquire("job:bench", holder, None)
-            assert lease is not None
-            backend.release(lease, Outcome.SUCCEEDED)
-
-        def ours_lock() -> None:
-            with Lock(backend, "job:bench-lock"):
-                pass
-
         variants: dict[str, Callable[[], object]] = {
             "raw O_EXCL": raw,
-            "celery_dlock": ours,
-            "celery_dlock Lock": ours_lock,
+            **our_variants(backend),
         }
         try:
             from filelock import FileLock

@@ -47,9 +47,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import psycopg
-from benchlib import interleaved, percentile, print_table, ratio_per_round
+from benchlib import interleaved, our_variants, percentile, print_table, ratio_per_round
 
-from celery_dlock import Lock, Outcome
+from celery_dlock import Lock
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.records import Holder
 
@@ -77,22 +77,10 @@ def uncontended(url: str, schema: str, rounds: int, seconds: float) -> None:
         cursor.fetchone()
 
     backend = PostgresBackend.from_url(f"{url}?schema={schema}")
-    holder = Holder.current()
-
-    def ours() -> None:
-        lease = backend.try_acquire("job:bench", holder, None)
-        assert lease is not None
-        backend.release(lease, Outcome.SUCCEEDED)
-
-    def ours_lock() -> None:
-        with Lock(backend, "job:bench-lock"):
-            pass
-
     engine: Any = None
     variants: dict[str, Callable[[], object]] = {
         FLOOR: raw,
-        "celery_dlock": ours,
-        "celery_dlock Lock": ours_lock,
+        **our_variants(backend),
     }
     try:
         import pals

@@ -42,13 +42,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import redis
-from benchlib import interleaved, percentile, print_table, ratio_per_round
+from benchlib import interleaved, our_variants, percentile, print_table, ratio_per_round
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from celery_dlock import Lock, Outcome
+from celery_dlock import Lock
 from celery_dlock.backends.redis import RedisBackend
-from celery_dlock.records import Holder
 
 CAD = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 FLOOR = "floor"
@@ -86,17 +85,6 @@ def uncontended(url: str) -> tuple[dict[str, Callable[[], object]], RedisBackend
         connection.read_response()
 
     backend = RedisBackend.from_url(f"{url}?prefix=bench")
-    holder = Holder.current()
-
-    def ours() -> None:
-        lease = backend.try_acquire(KEY, holder, 10)
-        assert lease is not None
-        backend.release(lease, Outcome.SUCCEEDED)
-
-    def ours_lock() -> None:
-        with Lock(backend, "job:bench-lock", ttl=10, renew=False):
-            pass
-
     redispy = r.lock("redispy", timeout=10)
 
     def redispy_lock() -> None:
@@ -106,8 +94,7 @@ def uncontended(url: str) -> tuple[dict[str, Callable[[], object]], RedisBackend
     variants: dict[str, Callable[[], object]] = {
         FLOOR: floor,
         "floor, bare connection": bare,
-        "celery_dlock": ours,
-        "celery_dlock Lock": ours_lock,
+        **our_variants(backend, KEY, 10),
         "redis-py Lock": redispy_lock,
     }
     try:

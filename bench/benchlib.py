@@ -11,6 +11,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -103,3 +104,25 @@ def latency_summary(durations_s: list[float]) -> tuple[float, float]:
     """(p50, p99) in microseconds."""
     values = sorted(durations_s)
     return percentile(values, 0.5) * 1e6, percentile(values, 0.99) * 1e6
+
+
+def our_variants(
+    backend: Any, key: str = "job:bench", ttl: float | None = None
+) -> dict[str, Callable[[], object]]:
+    """celery-dlock's two uncontended variants on ``backend``: a bare ``try_acquire`` +
+    ``release`` pair on ``key``, and a ``with Lock(...)`` block (no renewal thread)."""
+    from celery_dlock import Lock, Outcome
+    from celery_dlock.records import Holder
+
+    holder = Holder.current()
+
+    def pair() -> None:
+        lease = backend.try_acquire(key, holder, ttl)
+        assert lease is not None
+        backend.release(lease, Outcome.SUCCEEDED)
+
+    def lock() -> None:
+        with Lock(backend, f"{key}-lock", ttl=ttl, renew=False):
+            pass
+
+    return {"celery_dlock": pair, "celery_dlock Lock": lock}

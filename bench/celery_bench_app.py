@@ -59,6 +59,29 @@ def advisory_floor(i: int) -> None:
     connection.execute("SELECT pg_advisory_unlock(%s)", (i,))  # type: ignore[attr-defined]
 
 
+_previous: dict[int, int] = {}
+
+
+@app.task(name="bench.advisory_one_trip")
+def advisory_one_trip(i: int) -> None:
+    """The floor of a Postgres lock with one round trip per task: the unlock of the previous
+    task's advisory lock travels with this task's lock, in one statement (the shape of a
+    release deferred to the next acquire)."""
+    import psycopg
+
+    connection = _floor_connection.get(os.getpid())
+    if connection is None:
+        connection = _floor_connection[os.getpid()] = psycopg.connect(
+            os.environ["BENCH_PG"], autocommit=True
+        )
+    previous = _previous.get(os.getpid())
+    connection.execute(  # type: ignore[attr-defined]
+        "SELECT pg_advisory_unlock(%s), pg_try_advisory_lock(%s)", (previous, i)
+    )
+    _previous[os.getpid()] = i
+    counter.incr("bench:done")
+
+
 try:
     from celery_once import QueueOnce
 
