@@ -8,6 +8,7 @@ Every body is one Redis INCR, as in the anchors.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import redis
 from celery import Celery
@@ -40,23 +41,29 @@ def locked(i: int) -> None:
     counter.incr("bench:done")
 
 
-_floor_connection: dict[int, object] = {}
+_floor_connection: dict[int, Any] = {}
+
+
+def _floor_pg() -> Any:
+    """The raw floors' psycopg 3 connection: one per process (autocommit)."""
+    connection = _floor_connection.get(os.getpid())
+    if connection is None:
+        import psycopg
+
+        connection = _floor_connection[os.getpid()] = psycopg.connect(
+            os.environ["BENCH_PG"], autocommit=True
+        )
+    return connection
 
 
 @app.task(name="bench.advisory_floor")
 def advisory_floor(i: int) -> None:
     """The floor of any Postgres lock: a raw advisory lock/unlock pair (two round trips,
-    no writes) around the same body, on one psycopg 3 connection per process."""
-    import psycopg
-
-    connection = _floor_connection.get(os.getpid())
-    if connection is None:
-        connection = _floor_connection[os.getpid()] = psycopg.connect(
-            os.environ["BENCH_PG"], autocommit=True
-        )
-    connection.execute("SELECT pg_try_advisory_lock(%s)", (i,))  # type: ignore[attr-defined]
+    no writes) around the same body."""
+    connection = _floor_pg()
+    connection.execute("SELECT pg_try_advisory_lock(%s)", (i,))
     counter.incr("bench:done")
-    connection.execute("SELECT pg_advisory_unlock(%s)", (i,))  # type: ignore[attr-defined]
+    connection.execute("SELECT pg_advisory_unlock(%s)", (i,))
 
 
 _previous: dict[int, int] = {}
@@ -67,17 +74,8 @@ def advisory_one_trip(i: int) -> None:
     """The floor of a Postgres lock with one round trip per task: the unlock of the previous
     task's advisory lock travels with this task's lock, in one statement (the shape of a
     release deferred to the next acquire)."""
-    import psycopg
-
-    connection = _floor_connection.get(os.getpid())
-    if connection is None:
-        connection = _floor_connection[os.getpid()] = psycopg.connect(
-            os.environ["BENCH_PG"], autocommit=True
-        )
     previous = _previous.get(os.getpid())
-    connection.execute(  # type: ignore[attr-defined]
-        "SELECT pg_advisory_unlock(%s), pg_try_advisory_lock(%s)", (previous, i)
-    )
+    _floor_pg().execute("SELECT pg_advisory_unlock(%s), pg_try_advisory_lock(%s)", (previous, i))
     _previous[os.getpid()] = i
     counter.incr("bench:done")
 

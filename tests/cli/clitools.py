@@ -45,15 +45,7 @@ def run_cli(
     *args: str, input: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``celery-dlock ARGS`` as a subprocess; its exit code and output."""
-    return subprocess.run(
-        [str(BIN / "celery-dlock"), *args],
-        input=input,
-        capture_output=True,
-        text=True,
-        env=_environment(env),
-        timeout=COMMAND_TIMEOUT,
-        check=False,
-    )
+    return _run([str(BIN / "celery-dlock"), *args], input, env)
 
 
 def run_celery(
@@ -63,12 +55,18 @@ def run_celery(
     extra = dict(env or {})
     if url is not None:
         extra["DLOCK_CLI_BACKEND"] = url
+    return _run([str(BIN / "celery"), "-A", "celeryapp", "dlock", *args], input, extra)
+
+
+def _run(
+    command: list[str], input: str | None, env: dict[str, str] | None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "celery"), "-A", "celeryapp", "dlock", *args],
+        command,
         input=input,
         capture_output=True,
         text=True,
-        env=_environment(extra),
+        env=_environment(env),
         timeout=COMMAND_TIMEOUT,
         check=False,
     )

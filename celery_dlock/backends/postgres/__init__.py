@@ -79,13 +79,7 @@ from celery_dlock.backends.base import (
 )
 from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url, translate
-from celery_dlock.backends.postgres.recovery import (
-    failed,
-    one,
-    refuse,
-    resolve_release,
-    undo_acquire,
-)
+from celery_dlock.backends.postgres.recovery import failed, refuse, resolve_release, undo_acquire
 from celery_dlock.backends.postgres.session import Client, Session, migrate
 from celery_dlock.errors import BackendError
 from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, new_token
@@ -172,7 +166,7 @@ class PostgresBackend(LockBackend):
             if session.held and time.monotonic() - session.swept > _SWEEP_EVERY:
                 self._sweep(session)
             statement = self._sql.acquire_politely if polite else self._sql.acquire
-            row = one(session, statement, params)
+            row = session.one(statement, params)
             if row is None and polite:
                 return None  # held, or left to a waiter: either way, not now
             if row is None:  # held: take over if its holder is gone, expired or replaced
@@ -193,7 +187,7 @@ class PostgresBackend(LockBackend):
         recording the old lease in the same statement; None while its holder lives."""
         params["retried"] = f"continued by its retry: {holder.describe()}"
         params["held"] = list(session.held)
-        row = one(session, self._sql.take_over, params)
+        row = session.one(self._sql.take_over, params)
         if row is None:
             return None
         if row[7] is not None:  # the old lease was this session's: its lock is let go
@@ -264,9 +258,9 @@ class PostgresBackend(LockBackend):
         session = client.open()
         params["unlock"] = unlock = lease.fence in session.held
         try:
-            row = one(session, statement, params)
+            row = session.one(statement, params)
             if row is None and unlock:  # not ours any more, but its lock still is
-                one(session, self._sql.unlock, {"fence": lease.fence})
+                session.one(self._sql.unlock, {"fence": lease.fence})
         except psycopg.Error as exc:
             failed(client, session, exc, self.url, "release")
             return resolve_release(client, lease, outcome, exc, self.url)
@@ -305,7 +299,7 @@ class PostgresBackend(LockBackend):
                 return None
             session = client.open()
             try:
-                row = one(session, self._sql.renew, params)
+                row = session.one(self._sql.renew, params)
             except psycopg.Error as exc:
                 failed(client, session, exc, self.url, "renew")
                 return None  # the session ended: whatever landed, the lease died with it

@@ -14,12 +14,7 @@ from celery_dlock.backends.postgres.session import Client, Session, connection_l
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["failed", "one", "refuse", "resolve_release", "undo_acquire"]
-
-
-def one(session: Session, statement: str, params: dict[str, Any]) -> Any:
-    """The first row of a prepared statement on the lock session, or None."""
-    return session.one(statement, params)
+__all__ = ["failed", "refuse", "resolve_release", "undo_acquire"]
 
 
 def failed(client: Client, session: Session, exc: psycopg.Error, url: str, what: str) -> None:
@@ -76,7 +71,7 @@ def resolve_release(
     statements = client.config.statements
     try:
         session = client.open()
-        row = one(session, statements.record_of, {"key": lease.key, "token": lease.token})
+        row = session.one(statements.record_of, {"key": lease.key, "token": lease.token})
     except psycopg.Error as again:
         client.drop()
         raise translate(again, "release (reading back)", url) from exc
@@ -88,4 +83,4 @@ def resolve_release(
 def _undo(client: Client, session: Session, params: dict[str, Any], why: str) -> None:
     """Clear the lease ``params`` tried to acquire, if it is there, as ``disconnected``."""
     undo = {**params, "outcome": "disconnected", "problem": "disconnected", "details": why}
-    one(session, client.config.statements.release, undo | {"result": None, "unlock": False})
+    session.one(client.config.statements.release, undo | {"result": None, "unlock": False})
