@@ -18,6 +18,7 @@ import importlib
 from celery_dlock.backends import backend_from_url, mask_url
 from celery_dlock.backends.base import Capabilities, LockBackend
 from celery_dlock.errors import (
+    AlreadySucceededError,
     BackendError,
     ConfigurationError,
     DLockError,
@@ -35,7 +36,7 @@ from celery_dlock.records import Holder, Lease, Outcome, Record
 __version__ = "0.1.0"
 
 #: Names that need Celery, imported on first use so that ``import celery_dlock`` does not.
-_CELERY_NAMES = {"LockedTask": "celery_dlock.task", "install": "celery_dlock.app"}
+_CELERY_NAMES = {"LockedTask": "celery_dlock.celery", "install": "celery_dlock.celery"}
 
 
 def __getattr__(name: str) -> object:
@@ -52,6 +53,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AlreadySucceededError",
     "BackendError",
     "Capabilities",
     "ConfigurationError",

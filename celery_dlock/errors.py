@@ -6,6 +6,7 @@
      ├─ LockNotAcquiredError          key held by someone else
      │   └─ LockTimeoutError          still held after waiting (also a TimeoutError)
      ├─ LockLostError                 our lease was taken over or expired
+     ├─ AlreadySucceededError         a once task's success is kept already (first wins)
      ├─ BackendError                  the store failed; the driver's exception is __cause__
      └─ ConfigurationError            (also a ValueError)
          ├─ LockKeyError              template/argument problems, bad keys
@@ -21,6 +22,7 @@ JSON types for the same reason.
 from __future__ import annotations
 
 __all__ = [
+    "AlreadySucceededError",
     "BackendError",
     "ConfigurationError",
     "DLockError",
@@ -88,6 +90,33 @@ class LockLostError(DLockError):
     def __str__(self) -> str:
         during = f" (seen on {self.reason})" if self.reason else ""
         return f"lease on {self.key!r} with fence {self.fence} was lost{during}"
+
+
+class AlreadySucceededError(DLockError):
+    """A ``once`` success of this task on this key is kept already: the first success wins,
+    and a second one is refused (raised by ``record_success`` inside the caller's own
+    transaction, which must then roll back).
+
+    Args:
+        key: the key.
+        task_name: the task whose success is kept.
+        fence: the fence of the lease whose success is kept.
+        task_id: the task id of that success, when known.
+    """
+
+    def __init__(self, key: str, task_name: str, fence: int, task_id: str | None = None) -> None:
+        super().__init__(key, task_name, fence, task_id)
+        self.key = key
+        self.task_name = task_name
+        self.fence = fence
+        self.task_id = task_id
+
+    def __str__(self) -> str:
+        by = f" by task {self.task_id}" if self.task_id else ""
+        return (
+            f"{self.task_name} already succeeded on {self.key!r} (fence {self.fence}{by}): "
+            "the first success wins"
+        )
 
 
 class BackendError(DLockError):

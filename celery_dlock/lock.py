@@ -16,19 +16,30 @@ from enum import Enum
 from types import TracebackType
 from typing import Any, Final, Literal
 
-from celery_dlock.backends import backend_from_url, mask_url
-from celery_dlock.backends.base import LockBackend, validate_ttl
+from celery_dlock import releasing
+from celery_dlock.backends import mask_url
+from celery_dlock.backends.base import LockBackend, remembered, validate_ttl
 from celery_dlock.errors import (
+    BackendError,
     ConfigurationError,
     LockLostError,
     LockNotAcquiredError,
     LockTimeoutError,
 )
 from celery_dlock.keys import validate_key
-from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
+from celery_dlock.process import held, shared_backend
+from celery_dlock.records import (
+    Holder,
+    Lease,
+    Outcome,
+    Record,
+    describe_exception,
+    new_token,
+)
+from celery_dlock.releasing import Ending
 from celery_dlock.renewal import Renewer, report_lost
 
-__all__ = ["Lock", "lock", "shared_backend", "validate_wait"]
+__all__ = ["Lock", "lock", "validate_wait"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -42,27 +53,6 @@ class _Default(Enum):
 
 #: "Use the value the Lock was made with."
 DEFAULT: Final = _Default.DEFAULT
-
-_shared: dict[str, LockBackend] = {}
-_shared_mutex = threading.Lock()
-
-
-def shared_backend(url: str) -> LockBackend:
-    """The backend for ``url``, made once per process and reused (clients are costly)."""
-    backend = _shared.get(url)
-    if backend is None:
-        with _shared_mutex:
-            backend = _shared.get(url)
-            if backend is None:
-                backend = _shared[url] = backend_from_url(url)
-    return backend
-
-
-def forget_shared_backends() -> None:
-    """Drop the shared backends without closing them: a forked child calls this so it makes
-    its own, while the parent's stay open for the parent."""
-    with _shared_mutex:
-        _shared.clear()
 
 
 def validate_wait(wait: float | None) -> float | None:
@@ -91,10 +81,16 @@ class Lock:
             gone, or (leases without ``ttl`` on a store whose liveness is a session) the
             holder's session ended.
 
+    Attributes:
+        success_retry: seconds :meth:`release` keeps trying to store a success with a
+            result (the one ``once`` replays) while the store fails (default 30).
+
     Raises:
         LockKeyError: ``key`` is empty, too long or has control characters.
         ConfigurationError: bad ``ttl`` or ``wait``.
     """
+
+    success_retry: float = 30.0
 
     def __init__(
         self,
@@ -157,6 +153,8 @@ class Lock:
         while True:
             lease = self.backend.try_acquire(self.key, holder, self.ttl, replace)
             if lease is not None:
+                if replace is not None:
+                    held().discard(replace)  # taken over: kept no longer
                 self._held(lease)
                 return lease
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -173,6 +171,7 @@ class Lock:
         return LockTimeoutError(self.key, waited, holder)
 
     def _held(self, lease: Lease) -> None:
+        held().add(self.backend, lease)
         self._lease = lease
         self._lost.clear()
         if self.renew_in_background and self.ttl is not None:
@@ -211,23 +210,39 @@ class Lock:
     ) -> Record | None:
         """Release the lease and record how it ended.
 
+        A lease lost meanwhile is recorded ``lost``, with the outcome it could not record
+        in the record's details; a success with a result (a ``once`` task's) is kept all
+        the same, unless another success was kept first. While the store fails, the
+        release of such a success is tried again with backoff for up to
+        :attr:`success_retry` seconds before the error is raised.
+
         Returns:
             the record, or None if the lease had been lost (logged as ``lost``: an error,
             or a warning when the loss was reported already while the lease was held).
+
+        Raises:
+            BackendError: the store failed (for a success: still failing after
+                ``success_retry`` seconds).
         """
         reported = self.lost
         lease = self.detach()
-        record = self.backend.release(lease, outcome, problem, details, result)
-        if record is None:
-            logger.log(
-                logging.WARNING if reported else logging.ERROR,
-                "lease on %s (fence %d) was lost before release [%s] (outcome %s): %s not recorded",
-                lease.key,
-                lease.fence,
-                mask_url(self.backend.url),
-                Outcome.LOST,
-                Outcome(outcome),
-            )
+        ending = Ending(lease, Outcome(outcome), problem, details, result, reported)
+        if remembered(ending.outcome, result, lease.holder.task_name) is None:
+            return releasing.release(self.backend, ending)
+        return releasing.release_success(self.backend, ending, self.success_retry)
+
+    def record_success(self, connection: Any, result: Any) -> Record:
+        """Keep this lease's success (``result``) for ``once`` inside the caller's own
+        transaction on ``connection``, so that it commits or rolls back with the caller's
+        writes (Postgres store, on the store's own database).
+
+        Raises:
+            AlreadySucceededError: another success is kept already; roll back.
+            ConfigurationError: the store cannot, or ``connection`` does not reach it.
+        """
+        lease = self._require_lease()
+        record = Record(lease, time.time(), Outcome.SUCCEEDED, None, None, result)
+        self.backend.record_success(connection, record)
         return record
 
     def detach(self) -> Lease:
@@ -245,7 +260,62 @@ class Lock:
             self._unwatch()
             self._unwatch = None
         self._lease = None
+        held().discard(lease.token)
         return lease
+
+    def keep(self, ttl: float) -> Lease | None:
+        """Stop holding the lease without releasing it, and keep it alive ``ttl`` seconds
+        from now (on every store, a session store included) for a later
+        ``acquire(replace=lease.token)``: a Celery task keeps its lease for its retry.
+
+        Returns:
+            the kept lease, or None if it was lost meanwhile.
+        """
+        lease = self.detach()
+        try:
+            kept = self.backend.renew(lease, validate_ttl(ttl))
+        except BackendError:
+            logger.exception("could not extend %s for its next acquisition", lease.key)
+            kept = lease
+        if kept is not None:
+            held().add(self.backend, kept, kept=True)
+        return kept
+
+    def current(self) -> Lease | None:
+        """The lease on this key now, whoever holds it, or None.
+
+        Raises:
+            BackendError: the store failed.
+        """
+        return self.backend.get(self.key)
+
+    def end(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None = None,
+        details: str | None = None,
+    ) -> Record | None:
+        """Release ``lease`` of this key, which this Lock does not hold (a dead process's,
+        found by :meth:`current`), by its token; None if it was no longer current."""
+        if lease.key != self.key:
+            raise ConfigurationError(f"lease of {lease.key!r} given to the lock of {self.key!r}")
+        return self.backend.release(lease, outcome, problem, details)
+
+    def last_success(self, task_name: str) -> Record | None:
+        """The success of ``task_name`` kept on this key (its result is what ``once``
+        replays), or None."""
+        return self.backend.last_success(self.key, task_name)
+
+    def record_skip(self, problem: str, details: str, holder: Holder | None = None) -> Record:
+        """Record an attempt that ran nothing under this key (a busy key skipped): a
+        ``skipped`` record of a lease with fence 0 and a token of its own."""
+        now = time.time()
+        who = holder or self.holder or Holder.current()
+        lease = Lease(self.key, new_token(), 0, who, now)
+        record = Record(lease, now, Outcome.SKIPPED, problem, details)
+        self.backend.add_record(record)
+        return record
 
     def _require_lease(self) -> Lease:
         lease = self.lease

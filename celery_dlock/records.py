@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
 from typing import Any
@@ -202,7 +202,6 @@ class Lease:
     strictly increases per key: hand it to the protected resource so it can refuse a writer
     whose lease was lost. Times are seconds since the epoch on the store's clock;
     ``expires_at`` is None where liveness is the holder's connection or process.
-    ``version`` is the store's own compare-and-swap handle (object generation, ETag), opaque.
     """
 
     key: str
@@ -211,10 +210,9 @@ class Lease:
     holder: Holder
     acquired_at: float
     expires_at: float | None = None
-    version: str | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        data = {
+        return {
             "key": self.key,
             "token": self.token,
             "fence": self.fence,
@@ -222,9 +220,6 @@ class Lease:
             "acquired_at": self.acquired_at,
             "expires_at": self.expires_at,
         }
-        if self.version is not None:
-            data["version"] = self.version
-        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lease:
@@ -235,11 +230,7 @@ class Lease:
             holder=Holder.from_dict(data["holder"]),
             acquired_at=float(data["acquired_at"]),
             expires_at=None if data.get("expires_at") is None else float(data["expires_at"]),
-            version=data.get("version"),
         )
-
-    def with_version(self, version: str | None) -> Lease:
-        return replace(self, version=version)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,9 +4,9 @@ import json
 import pickle
 
 import pytest
-from dlock_support import unavailable
 
 from celery_dlock import (
+    AlreadySucceededError,
     BackendError,
     ConfigurationError,
     DLockError,
@@ -17,6 +17,7 @@ from celery_dlock import (
     MissingDependencyError,
     UnknownBackendError,
 )
+from tests.support import unavailable
 
 EXAMPLES: list[DLockError] = [
     DLockError("something"),
@@ -24,6 +25,7 @@ EXAMPLES: list[DLockError] = [
     LockNotAcquiredError("job:order:42"),
     LockTimeoutError("job:order:42", 5.0, "pid 7 on web-1"),
     LockLostError("job:order:42", 17, "renew"),
+    AlreadySucceededError("job:order:42", "payments.charge", 17, "5f1c"),
     BackendError("cannot reach the store", "redis://:***@cache:6379/0"),
     ConfigurationError("bad option"),
     LockKeyError("the lock key is empty"),

@@ -5,7 +5,6 @@ import time
 from pathlib import Path
 
 import pytest
-from dlock_support import eventually
 
 from celery_dlock import (
     ConfigurationError,
@@ -22,6 +21,7 @@ from celery_dlock import (
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.records import DETAILS_LIMIT
+from tests.support import eventually
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -49,7 +49,7 @@ def test_with_block_records_failed_with_type_message_and_traceback(backend: Memo
         raise CardDeclined("card 4242 declined " + "x" * 20000)
     [record] = backend.history(key="job:pay")
     assert record.outcome is Outcome.FAILED
-    assert record.problem == "test_lock.CardDeclined"
+    assert record.problem == "tests.test_lock.CardDeclined"
     assert record.details is not None
     assert record.details.startswith("card 4242 declined")
     assert "Traceback" in record.details
@@ -114,7 +114,11 @@ def test_lost_lease_makes_the_with_block_raise_lock_lost(backend: MemoryBackend)
     with pytest.raises(LockLostError) as info, lock("job:lost", backend) as lease:
         backend.force_release("job:lost", "operator")
     assert info.value.key == "job:lost" and info.value.fence == lease.fence
-    assert [r.outcome for r in backend.history(key="job:lost")] == [Outcome.FORCED]
+    lost, forced = backend.history(key="job:lost")
+    assert forced.outcome is Outcome.FORCED and forced.lease.token == lease.token
+    # The history stays true: the holder's own end is recorded, as lost, naming its outcome.
+    assert lost.outcome is Outcome.LOST and lost.lease.token == lease.token
+    assert lost.details is not None and lost.details.startswith("succeeded not recorded")
 
 
 def test_body_exception_wins_over_a_lost_lease(backend: MemoryBackend) -> None:

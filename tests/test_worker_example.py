@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import subprocess
 import sys
 from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from dlock_support import unavailable
+
+from tests.support import unavailable
 
 ROOT = Path(__file__).parent.parent
 
@@ -32,6 +36,70 @@ def test_the_demo_charges_every_order_exactly_once(tmp_path: Path) -> None:
     assert "worker_example.gateway.CardDeclined: card ending 0002 declined" in output
     assert "duplicates replayed the stored result" in output
     assert "SIGKILLed worker child" in output  # progress lines while it runs
+
+
+@pytest.mark.slow
+def test_the_demo_on_postgres_keeps_each_success_in_the_charges_transaction(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("celery")
+    url = "postgresql://postgres@127.0.0.1:5432/test"
+    _ledgers(tmp_path)  # Postgres is there (or a visible skip)
+    demo = [sys.executable, "-m", "worker_example.demo", "--data", str(tmp_path / "demo")]
+    result = subprocess.run(
+        [*demo, "--postgres", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    output = result.stdout
+    schema = re.search(r"in schema (demo_[0-9a-f]+)", output)
+    if schema is not None:
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as connection:
+            for name in (schema[1], f"{schema[1]}_locks"):
+                connection.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE")
+    assert result.returncode == 0, output + result.stderr
+    assert "ledger's own transaction (record_success): YES" in output
+    assert "every order charged exactly once: YES" in output
+    assert "order 6: 1x" in output  # the gateway moved the killed child's charge once
+
+
+def test_the_gateway_refuses_a_second_charge_with_the_same_idempotency_key(
+    tmp_path: Path,
+) -> None:
+    """Both defences defeated (once forgot the first success, and the second run holds a
+    lease of its own): the charge's body runs twice, and the gateway itself moves the
+    money once, answering the second request with the first one's reference."""
+    pytest.importorskip("celery")
+    script = (
+        "import json, sys\n"
+        "from decimal import Decimal\n"
+        "from worker_example import gateway, tasks\n"
+        "tasks.ledger.create()\n"
+        "tasks.ledger.add_orders([(1, 'ada', Decimal('12.50'), gateway.APPROVED)])\n"
+        "first = tasks.charge.apply((1,)).get()\n"
+        "tasks.charge.once = False  # once defeated: as if it had forgotten the success\n"
+        "second = tasks.charge.apply((1,)).get()\n"
+        "print(json.dumps([first, second, gateway.charges(tasks.DATA)]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "DLOCK_EXAMPLE_DATA": str(tmp_path / "data")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second, moved = json.loads(result.stdout.strip().splitlines()[-1])
+    assert second["charge"] != first["charge"]  # the body did run twice...
+    assert second["reference"] == first["reference"]  # ...the gateway answered the first
+    assert moved == [{"order": 1, "amount": "12.50", "reference": first["reference"]}]
 
 
 def _ledgers(tmp_path: Path) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from celery import Celery
 from celery.schedules import crontab
@@ -61,3 +62,21 @@ app.conf.update(
 install(app)  # worker signal handlers + the janitor on the beat schedule
 
 LEDGER_URL = os.environ.get("DLOCK_EXAMPLE_LEDGER", f"sqlite:///{DATA}/ledger.sqlite")
+
+
+def _same_database(a: str, b: str) -> bool:
+    """Whether two Postgres URLs name one database (host, port, database; not the options)."""
+    first, second = urlsplit(a), urlsplit(b)
+    postgres = ("postgresql", "postgres")
+    return (
+        first.scheme in postgres
+        and second.scheme in postgres
+        and (
+            (first.hostname, first.port, first.path) == (second.hostname, second.port, second.path)
+        )
+    )
+
+
+#: The ledger lives in the lock store's own Postgres: each charge keeps its ``once`` success
+#: in its own transaction (``record_success``), so the charge and its memory commit together.
+TRANSACTIONAL_SUCCESS = _same_database(LEDGER_URL, app.conf.dlock_backend)

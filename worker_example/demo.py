@@ -46,25 +46,36 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="celery-dlock payments demo (no servers)")
     parser.add_argument("--data", default="demo-data", help="working folder (emptied first)")
     parser.add_argument("--copies", type=int, default=4, help="submissions of each order")
+    parser.add_argument(
+        "--postgres",
+        metavar="URL",
+        help="keep the locks and the ledger in this PostgreSQL database (fresh schemas), so "
+        "that each charge keeps its once success in its own transaction",
+    )
     options = parser.parse_args()
 
     data = Path(options.data).absolute()
     if data.exists():
         shutil.rmtree(data)
     data.mkdir(parents=True)
+    settings = {"DLOCK_EXAMPLE_DATA": str(data), "DLOCK_EXAMPLE_JANITOR": "2"}
+    if options.postgres:
+        settings |= _postgres_settings(options.postgres)
     env = {
         **os.environ,
-        "DLOCK_EXAMPLE_DATA": str(data),
-        "DLOCK_EXAMPLE_JANITOR": "2",
+        **settings,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    os.environ.update(DLOCK_EXAMPLE_DATA=str(data), DLOCK_EXAMPLE_JANITOR="2")
+    os.environ.update(settings)
     sys.path.insert(0, str(ROOT))
 
     from worker_example import gateway, tasks
     from worker_example.app import app
 
-    say(f"embedded stack in {data}: filesystem broker, file results, file locks, SQLite ledger")
+    where = "file locks, SQLite ledger"
+    if options.postgres:
+        where = f"Postgres locks and ledger in schema {settings['DLOCK_EXAMPLE_SCHEMA']}(_locks)"
+    say(f"embedded stack in {data}: filesystem broker, file results, {where}")
     cards = [gateway.APPROVED] * 4 + [gateway.DECLINED_ONCE, gateway.HANGS_ONCE]
     orders = [
         (n, f"customer-{n}", Decimal(f"{10 * n}.50"), card) for n, card in enumerate(cards, 1)
@@ -87,7 +98,7 @@ def main() -> int:
     try:
         until(lambda: app.control.ping(timeout=1.0), "worker answering pings")
         say("worker (prefork, 4 children) and beat are up; the janitor runs every 2 s")
-        demo = Demo(app, tasks, orders, hanging, declined, options.copies, data, env)
+        demo = Demo(app, tasks, gateway, orders, hanging, declined, options.copies, data, env)
         return demo.run()
     finally:
         for process in (beat, worker):
@@ -98,6 +109,21 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
         say(f"worker and beat stopped; logs in {data}")
+
+
+def _postgres_settings(url: str) -> dict[str, str]:
+    """The lock store and the ledger in fresh schemas of one Postgres database."""
+    import psycopg
+
+    schema = f"demo_{os.urandom(4).hex()}"
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f"CREATE SCHEMA {schema}")
+    joiner = "&" if "?" in url else "?"
+    return {
+        "DLOCK_EXAMPLE_SCHEMA": schema,
+        "DLOCK_EXAMPLE_LOCKS": f"{url}{joiner}schema={schema}_locks&auto_migrate=1",
+        "DLOCK_EXAMPLE_LEDGER": f"{url}{joiner}options=-csearch_path%3D{schema}",
+    }
 
 
 def start(arguments: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -112,6 +138,7 @@ class Demo:
 
     app: Any
     tasks: Any
+    gateway: Any
     orders: list[tuple[int, str, Decimal, str]]
     hanging: int
     declined: int
@@ -120,7 +147,7 @@ class Demo:
     env: dict[str, str]
 
     def run(self) -> int:
-        from celery_dlock.app import backend_for
+        from celery_dlock.celery.settings import backend_for
 
         tasks, data = self.tasks, self.data
         store = backend_for(self.app)
@@ -197,7 +224,24 @@ class Demo:
         for record in mine:
             print(f"  fence {record.fence:>3} {record.outcome.value:<12} {record.problem or ''}")
 
-        exactly_once = all(charged.get(order_id, 0) == 1 for order_id, *_ in self.orders)
+        moved = Counter(int(str(c["order"])) for c in self.gateway.charges(self.data))
+        print("\nmoney moved at the gateway (each order once; idempotency keys honoured):")
+        print("  " + ", ".join(f"order {n}: {moved.get(n, 0)}x" for n, *_ in self.orders))
+        transactional = self.tasks.TRANSACTIONAL_SUCCESS
+        print(
+            "\neach charge kept its once success in the ledger's own transaction "
+            f"(record_success): {'YES' if transactional else 'NO'}"
+        )
+        if not transactional:
+            print(
+                "  (a SQLite ledger and a file lock store cannot share a transaction: the "
+                "success is kept at release; run with --postgres URL to see it in one)"
+            )
+
+        exactly_once = all(
+            charged.get(order_id, 0) == 1 and moved.get(order_id, 0) == 1
+            for order_id, *_ in self.orders
+        )
         disconnected = any(r.outcome is Outcome.DISCONNECTED for r in dead)
         typed = any(
             r.outcome is Outcome.FAILED and (r.problem or "").endswith("CardDeclined")

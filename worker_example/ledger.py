@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
@@ -134,8 +134,11 @@ class Ledger:
         amount: Decimal,
         task_id: str | None,
         pid: int,
+        then: Callable[[Any, int], None] | None = None,
     ) -> int:
-        """Write one charge under ``fence``; returns its id."""
+        """Write one charge under ``fence``; returns its id. ``then(cursor, charge_id)``
+        runs in the same transaction, before it commits (the task keeps its ``once``
+        success there, so the charge and its memory commit together)."""
         with self.transaction() as cursor:
             self._fenced(cursor, key, fence)
             cursor.execute(
@@ -145,7 +148,10 @@ class Ledger:
                 ),
                 (order_id, str(amount), fence, task_id, pid, time.time()),
             )
-            return int(cursor.fetchone()[0])
+            charge_id = int(cursor.fetchone()[0])
+            if then is not None:
+                then(cursor, charge_id)
+            return charge_id
 
     def refund(self, key: str, fence: int, order_id: int, amount: Decimal) -> None:
         with self.transaction() as cursor:

@@ -2,7 +2,11 @@
 
 - ``charge`` is guarded by ``once=True``: a second submission of the same order returns the
   first charge's result instead of charging again. Its ledger write carries the lease's
-  fence, so a holder whose lease was lost (paused past it) cannot write.
+  fence, so a holder whose lease was lost (paused past it) cannot write. When the ledger is
+  the lock store's own Postgres, the charge keeps its ``once`` success in the ledger's own
+  transaction (``record_success``): a child killed after the commit and before the release
+  cannot cause a second charge. The gateway call carries ``self.idempotency_key``, so even
+  a duplicate that got past both ``once`` and the lock moves no money twice.
 - ``refund`` takes the same key, so it never runs while the order is being charged.
 - ``nightly_report`` is a singleton per day: a second run while one is going is skipped.
 """
@@ -15,7 +19,7 @@ from typing import Any
 
 from celery_dlock import LockedTask
 from worker_example import gateway
-from worker_example.app import DATA, LEDGER_URL, app
+from worker_example.app import DATA, LEDGER_URL, TRANSACTIONAL_SUCCESS, app
 from worker_example.ledger import Ledger
 
 ledger = Ledger(LEDGER_URL)
@@ -33,17 +37,25 @@ ledger = Ledger(LEDGER_URL)
 def charge(self: Any, order_id: int) -> dict[str, Any]:
     """Charge an order's card once, and write the charge under the lease's fence."""
     _, amount, card = ledger.order(order_id)
-    reference = gateway.pay(DATA, card, amount, order_id)
+    reference = gateway.pay(DATA, card, amount, order_id, self.idempotency_key)
     lease = self.lease
-    charge_id = ledger.charge(
+    result: dict[str, Any] = {"order": order_id, "amount": str(amount), "reference": reference}
+
+    def remember(cursor: Any, charge_id: int) -> None:
+        result["charge"] = charge_id
+        if TRANSACTIONAL_SUCCESS:
+            self.record_success(cursor, result)
+
+    ledger.charge(
         lease.key,
         lease.fence,
         order_id=order_id,
         amount=amount,
         task_id=self.request.id,
         pid=os.getpid(),
+        then=remember,
     )
-    return {"order": order_id, "charge": charge_id, "amount": str(amount), "reference": reference}
+    return result
 
 
 @app.task(base=LockedTask, bind=True, name="payments.refund", lock_key="order:<order_id>")

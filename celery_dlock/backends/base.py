@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Literal, TypeVar
+from urllib.parse import parse_qsl
 
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
@@ -165,6 +166,21 @@ class LockBackend(ABC):
         """
 
     @abstractmethod
+    def remember(self, record: Record) -> bool:
+        """Keep ``record`` as the last success of its key and its holder's task unless one
+        is kept already: insert-if-absent, the first success wins, never an overwrite.
+
+        For a body that succeeded after its lease was lost (the release found it gone), so
+        that ``once`` does not forget the success. ``record`` is a ``succeeded`` record with
+        a result and a holder with a task name; it is not added to the history. Committed
+        durably where the store has a choice.
+
+        Returns:
+            True if this call kept ``record``, False if a success was kept already (this
+            one included: a call tried again after a lost reply answers False).
+        """
+
+    @abstractmethod
     def reap(self, limit: int = 100) -> list[Record]:
         """Clear up to ``limit`` leases whose holder is gone or whose time ran out, each
         recorded as ``disconnected`` or ``expired``."""
@@ -193,6 +209,20 @@ class LockBackend(ABC):
         A push from the store where it has one, else a bounded, jittered poll; may return
         early. The caller tries again and calls again.
         """
+
+    def record_success(self, connection: Any, record: Record) -> None:
+        """``remember`` ``record`` inside the caller's own transaction on ``connection``, so
+        that it commits with the caller's writes; only a store that lives in the caller's
+        database can (Postgres).
+
+        Raises:
+            AlreadySucceededError: a success is kept already.
+            ConfigurationError: this store cannot.
+        """
+        raise ConfigurationError(
+            f"record_success needs the postgres store (the caller's own transaction on the "
+            f"store's database); the {self.name} store keeps successes at release only"
+        )
 
     def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None] | None:
         """Call ``on_lost(lease)`` once, from a background thread, if this process learns
@@ -274,6 +304,21 @@ def remembered(outcome: Outcome | str, result: Any, task_name: str | None) -> st
     return None
 
 
+def success_task(record: Record) -> str:
+    """The task name under which ``remember`` keeps ``record``.
+
+    Raises:
+        ConfigurationError: ``record`` is not a success with a result of a named task.
+    """
+    task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
+    if task_name is None:
+        raise ConfigurationError(
+            f"only a succeeded record with a result and a task name can be remembered, not "
+            f"{record.outcome} on {record.key!r} (task {record.lease.holder.task_name!r})"
+        )
+    return task_name
+
+
 def retried(lease: Lease, successor: Holder, now: float) -> Record:
     """The record of ``lease`` taken over by ``successor``, the retry of its own task."""
     details = f"continued by its retry: {successor.describe()}"
@@ -310,8 +355,6 @@ def url_options(
         ConfigurationError: an option is unknown, repeated or has a bad value; the message
             names the option and the known ones.
     """
-    from urllib.parse import parse_qsl
-
     options: dict[str, Any] = {}
     pairs = parse_qsl(query, keep_blank_values=True)
     for name, text in pairs:

@@ -31,6 +31,7 @@ from celery_dlock.backends.base import (
     expiry,
     remembered,
     retried,
+    success_task,
     url_options,
     validate_ttl,
     wall_clock,
@@ -185,6 +186,14 @@ class MemoryBackend(LockBackend):
     def last_success(self, key: str, task_name: str) -> Record | None:
         with self._changed:
             return self._successes.get((key, task_name))
+
+    def remember(self, record: Record) -> bool:
+        task_name = success_task(record)
+        with self._changed:
+            if (record.key, task_name) in self._successes:
+                return False
+            self._successes[record.key, task_name] = record
+            return True
 
     def reap(self, limit: int = 100) -> list[Record]:
         reaped: list[Record] = []

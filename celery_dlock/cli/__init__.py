@@ -59,7 +59,7 @@ def dlock(
         )
 
     def resolve() -> Target:
-        from celery_dlock.app import settings
+        from celery_dlock.celery.settings import settings
 
         if backend_url is None:
             current = settings(app)

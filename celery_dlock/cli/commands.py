@@ -31,6 +31,7 @@ from celery_dlock.cli.render import (
     table,
 )
 from celery_dlock.keys import validate_key
+from celery_dlock.reap import reap as janitor_reap
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "store_now"]
@@ -325,8 +326,6 @@ def reap(env: Env, limit: int, retention: float | None, as_json: bool) -> None:
     Clears leases whose holder is gone or whose time ran out (recorded as disconnected or
     expired) and, with a retention, prunes older history.
     """
-    from celery_dlock.janitor import reap as janitor_reap
-
     if retention is None:
         retention = env.target.retention
     batch = min(limit, 100)

@@ -17,6 +17,7 @@ import click
 from celery_dlock.cli.commands import JSON, store_now
 from celery_dlock.cli.env import Env, failure_text, guarded
 from celery_dlock.cli.render import DURATION, human_duration, local_time, table
+from celery_dlock.reap import janitor_key
 from celery_dlock.records import Outcome
 
 __all__ = ["SKEW_FAIL", "SKEW_WARN", "Finding", "doctor"]
@@ -101,8 +102,6 @@ def _diagnose(env: Env) -> list[Finding]:
 
 
 def _janitor(env: Env, interval: float | None) -> Finding:
-    from celery_dlock.janitor import janitor_key
-
     key = janitor_key(env.target.namespace)
     backend = env.backend
     records = backend.history(key=key, limit=1)

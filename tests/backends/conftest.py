@@ -2,31 +2,30 @@
 
 A store is a module in ``stores/`` with ``NAME`` and a context manager
 ``open_store(tmp_path, request) -> StoreCase``. Adding a backend to the suite is adding one
-such module; a store whose server is missing calls ``dlock_support.unavailable``.
+such module; a store whose server is missing calls ``tests.support.unavailable``.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from storecase import StoreCase
 
 from celery_dlock.backends.base import LockBackend
+from tests.backends import stores as store_modules
+from tests.backends.storecase import StoreCase
 
 
 def _load_stores() -> dict[str, ModuleType]:
     stores = {}
-    for path in sorted((Path(__file__).parent / "stores").glob("*.py")):
-        if path.name.startswith("_"):
+    for found in pkgutil.iter_modules(store_modules.__path__):
+        if found.name.startswith("_"):
             continue
-        spec = importlib.util.spec_from_file_location(f"dlock_store_{path.stem}", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = importlib.import_module(f"{store_modules.__name__}.{found.name}")
         stores[module.NAME] = module
     return stores
 

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from dlock_support import eventually
-from helpers.holders import kill, spawn_holder
-from storecase import StoreCase
 
 from celery_dlock import Holder, Lease, Lock, Outcome, Record
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError
+from tests.backends.storecase import StoreCase
+from tests.support import eventually
+from tests.support.holders import kill, spawn_holder
 
-HELPERS = Path(__file__).parent.parent / "helpers"
+HELPERS = Path(__file__).parent.parent / "support"
 T = TypeVar("T")
 
 #: TTL for leases meant to expire: short on real clocks (we wait it out), long on fake ones.

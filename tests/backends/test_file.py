@@ -10,11 +10,13 @@ import stat
 from pathlib import Path
 
 import pytest
-from test_contract import KEYS
 
 from celery_dlock import BackendError, Holder, Outcome
-from celery_dlock.backends.file import FileBackend, _Inotify, file_name
+from celery_dlock.backends.file import FileBackend
+from celery_dlock.backends.file.wakeups import Inotify
+from celery_dlock.backends.naming import file_name
 from celery_dlock.testing import FakeClock
+from tests.backends.test_contract import KEYS
 
 
 @pytest.fixture
@@ -159,7 +161,7 @@ def test_a_recycled_pid_is_taken_over_as_disconnected(backend: FileBackend) -> N
 def test_wait_is_a_kernel_wakeup_here(tmp_path: Path) -> None:
     path = tmp_path / "watched"
     path.write_text("x")
-    fd = _Inotify.watch(str(path))
+    fd = Inotify.watch(str(path))
     assert fd is not None, "inotify is not available on this machine"
     os.close(fd)
     assert FileBackend.capabilities.push_wait

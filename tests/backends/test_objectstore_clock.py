@@ -6,18 +6,18 @@ from __future__ import annotations
 import time
 
 import pytest
-from dlock_support import eventually
-from helpers.objectstore_servers import (  # noqa: F401 - fixtures
-    Server,
-    object_server,
-    object_url,
-    unique_prefix,
-)
 
 from celery_dlock import Holder, Outcome
 from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.objectstore import ObjectStoreBackend, ServerClock, Stamp
 from celery_dlock.testing import FakeClock
+from tests.support import eventually
+from tests.support.objectstore_servers import (  # noqa: F401 - fixtures
+    Server,
+    object_server,
+    object_url,
+    unique_prefix,
+)
 
 # -- the window on the server's clock (no server needed: responses are made up) ----------------
 

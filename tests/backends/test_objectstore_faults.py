@@ -11,8 +11,13 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
-from dlock_support import eventually
-from helpers.objectstore_servers import (  # noqa: F401 - fixtures
+
+from celery_dlock import BackendError, Holder, Outcome
+from celery_dlock.backends import backend_from_url
+from celery_dlock.backends.objectstore import ObjectStoreBackend
+from tests.backends.test_objectstore import workload
+from tests.support import eventually
+from tests.support.objectstore_servers import (  # noqa: F401 - fixtures
     Fault,
     HTTPProxy,
     Logged,
@@ -21,11 +26,6 @@ from helpers.objectstore_servers import (  # noqa: F401 - fixtures
     proxy,
     unique_prefix,
 )
-from test_objectstore import workload
-
-from celery_dlock import BackendError, Holder, Outcome
-from celery_dlock.backends import backend_from_url
-from celery_dlock.backends.objectstore import ObjectStoreBackend
 
 
 def holder() -> Holder:
@@ -112,7 +112,7 @@ def test_a_write_whose_answer_was_lost_is_settled_by_reading_back(
         lease = backend.try_acquire("job:lost", holder(), None)
         assert lease is not None
         held = direct.get("job:lost")
-        assert held is not None and held.token == lease.token and held.version == lease.version
+        assert held == lease
 
     assert len(fault.hits) == 1
     writes = [r.status for r in proxy.since(start) if is_lock_write(r)]

@@ -20,14 +20,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from dlock_support import eventually
-from helpers.holders import kill, spawn_holder
-from helpers.services import lease_session_pids
-from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Lock, Outcome
 from celery_dlock.backends import backend_from_url
 from celery_dlock.records import DETAILS_LIMIT
+from tests.backends.stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
+from tests.support import eventually
+from tests.support.holders import kill, spawn_holder
+from tests.support.services import lease_session_pids
 
 psycopg = pytest.importorskip("psycopg")
 

@@ -2,7 +2,7 @@
 the lock_timeout race, replies lost in flight (resolved by reading back the token), and a
 transaction-mode pooler (refused).
 
-The proxies here are real TCP proxies on loopback: ``CountingProxy`` (tests/helpers) counts
+The proxies here are real TCP proxies on loopback: ``CountingProxy`` (tests/support) counts
 round trips, and its ``drop_next_reply`` loses one reply and cuts the connection, as a
 network failure after the server committed would; ``TransactionPooler`` hands every
 transaction to the next of two server connections, as PgBouncer's ``pool_mode=transaction``
@@ -21,11 +21,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from dlock_support import eventually
-from helpers.countingproxy import CountingProxy
-from helpers.services import lease_lock, lease_session_pids
-from stores.postgres import SERVER_URL, with_options
-from test_postgres import (
+
+from celery_dlock import BackendError, ConfigurationError, Outcome
+from celery_dlock.backends.postgres import PostgresBackend
+from celery_dlock.backends.postgres.sql import Names
+from tests.backends.stores.postgres import SERVER_URL, with_options
+from tests.backends.test_postgres import (
     Backends,
     admin,  # noqa: F401
     backend,  # noqa: F401
@@ -35,10 +36,9 @@ from test_postgres import (
     session_pid,
     url,  # noqa: F401
 )
-
-from celery_dlock import BackendError, ConfigurationError, Outcome
-from celery_dlock.backends.postgres import PostgresBackend
-from celery_dlock.backends.postgres.sql import Names
+from tests.support import eventually
+from tests.support.countingproxy import CountingProxy
+from tests.support.services import lease_lock, lease_session_pids
 
 psycopg = pytest.importorskip("psycopg")
 

@@ -19,6 +19,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,8 @@ def server_up(url: str) -> bool:
 
 def restart_server() -> tuple[float, float, float]:
     """Restart the server; (before, its new start, after) on the wall clock."""
-    from dlock_support import eventually  # not at the top: this file is also a script
-    from stores.postgres import SERVER_URL, admin_connection
+    from tests.backends.stores.postgres import SERVER_URL, admin_connection
+    from tests.support import eventually  # not at the top: this file is also a script
 
     before = time.time()
     subprocess.run(shlex.split(RESTART), check=True, capture_output=True, timeout=120)
@@ -130,8 +131,8 @@ def restart_server() -> tuple[float, float, float]:
 
 
 def ensure_server_up() -> None:
-    from dlock_support import eventually  # not at the top: this file is also a script
-    from stores.postgres import SERVER_URL
+    from tests.backends.stores.postgres import SERVER_URL
+    from tests.support import eventually  # not at the top: this file is also a script
 
     if not server_up(SERVER_URL):
         start = RESTART.replace(" restart", " start").replace(" -m fast", "")
@@ -176,21 +177,42 @@ def check_leases(leases: list[dict[str, Any]], before: float, started: float) ->
     assert backwards == []
 
 
-@pytest.mark.slow
-def test_restart_during_contention_loses_leases_and_never_overlaps(tmp_path: Path) -> None:
-    from dlock_support import eventually  # not at the top: this file is also a script
-
+@pytest.fixture
+def store() -> Iterator[tuple[str, Any]]:
+    """A migrated schema of its own: its URL and a backend on it (not at the top: this
+    file is also a script); skipped where the server cannot be restarted."""
     if not RESTART:
         pytest.skip("DLOCK_PG_RESTART is empty: no way to restart the server here")
-    from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
-
-    from celery_dlock import Outcome
     from celery_dlock.backends.postgres import PostgresBackend
+    from tests.backends.stores.postgres import (
+        SERVER_URL,
+        admin_connection,
+        drop_schema,
+        with_options,
+    )
 
     schema = f"dlock_t_{os.urandom(6).hex()}"
     url = with_options(SERVER_URL, schema=schema)
     checker = PostgresBackend.from_url(url)
     checker.migrate()
+    try:
+        yield url, checker
+    finally:
+        ensure_server_up()
+        checker.close()
+        admin = admin_connection()
+        drop_schema(admin, schema)
+        admin.close()
+
+
+@pytest.mark.slow
+def test_restart_during_contention_loses_leases_and_never_overlaps(
+    tmp_path: Path, store: tuple[str, Any]
+) -> None:
+    from celery_dlock import Outcome
+    from tests.support import eventually  # not at the top: this file is also a script
+
+    url, checker = store
     key, stop, go, ready = "job:restart", tmp_path / "stop", tmp_path / "go", tmp_path / "ready"
     logs = [tmp_path / f"contender-{n}.jsonl" for n in range(CONTENDERS)]
     me = str(Path(__file__))
@@ -227,19 +249,65 @@ def test_restart_during_contention_loses_leases_and_never_overlaps(tmp_path: Pat
     finally:
         stop_all(processes, stop, go)
         ensure_server_up()
+    assert released["result"] == "lost"  # its session died with the server
+    records = checker.history(key=key, limit=None)
+    ended = {r.outcome: r for r in records if r.lease.token == held["token"]}
+    # Taken over as disconnected; the holder's own release, after, recorded lost.
+    assert set(ended) == {Outcome.DISCONNECTED, Outcome.LOST}
+    assert ended[Outcome.LOST].released_at > ended[Outcome.DISCONNECTED].released_at
+    leases = [entry for log in logs for entry in lines(log)]
+    leases.append({**held, "released": released["released"], "result": "lost"})
+    check_leases(leases, before, started)
+
+
+@pytest.mark.slow
+def test_a_once_success_across_a_restart_is_kept_and_the_duplicate_replays_it(
+    tmp_path: Path, store: tuple[str, Any]
+) -> None:
+    """The double charge found by a restart during charges: the body's lock session dies
+    with the server, the body succeeds after it, and the duplicate that comes after must
+    replay that success instead of charging again."""
+    from celery_dlock import Outcome
+    from tests.support import eventually
+
+    url, checker = store
+    runner = [sys.executable, str(Path(__file__).parent.parent / "support" / "once_runner.py")]
+    first = subprocess.Popen(
+        [*runner, url, "job", str(tmp_path), "42", "--hold"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        assert released["result"] == "lost"  # its session died with the server
-        records = checker.history(key=key, limit=None)
-        [record] = [r for r in records if r.lease.token == held["token"]]
-        assert record.outcome is Outcome.DISCONNECTED
-        leases = [entry for log in logs for entry in lines(log)]
-        leases.append({**held, "released": released["released"], "result": "lost"})
-        check_leases(leases, before, started)
+        held = eventually(
+            lambda: (tmp_path / "held").exists() and json.loads((tmp_path / "held").read_text()),
+            "the body runs",
+            timeout=60,
+        )
+        restart_server()
+        (tmp_path / "go").touch()
+        out, err = first.communicate(timeout=120)
+        assert first.returncode == 0, err[-3000:]
+        charged = json.loads(out.strip().splitlines()[-1])
+        duplicate = subprocess.run(
+            [*runner, url, "job", str(tmp_path), "42"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert duplicate.returncode == 0, duplicate.stderr[-3000:]
+        assert json.loads(duplicate.stdout.strip().splitlines()[-1]) == charged
+        runs = (tmp_path / "runs").read_text().splitlines()
+        assert [json.loads(run)["token"] for run in runs] == [held["token"]]  # charged once
+        kept = checker.last_success("job:order:42", "t.lost_charge")
+        assert kept is not None and kept.lease.token == held["token"]
+        [lost] = checker.history(key="job:order:42", outcome=Outcome.LOST)
+        assert str(lost.details).startswith("succeeded not recorded")
     finally:
-        checker.close()
-        admin = admin_connection()
-        drop_schema(admin, schema)
-        admin.close()
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
+
+from tests.backends.stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 
 pytest.importorskip("psycopg")
 sqlalchemy = pytest.importorskip("sqlalchemy")

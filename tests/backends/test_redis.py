@@ -22,20 +22,19 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-from dlock_support import eventually
-from test_contract import KEYS
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lock, Outcome
 from celery_dlock.backends import backend_from_url
+from tests.backends.test_contract import KEYS
+from tests.support import eventually
 
 redis = pytest.importorskip("redis")
 
-from helpers.countingproxy import CountingProxy  # noqa: E402
-from helpers.services import redis_client  # noqa: E402
-from stores.redis import URL, delete_prefix, store_url  # noqa: E402
-
 from celery_dlock.backends.redis import RedisBackend  # noqa: E402
 from celery_dlock.backends.redis.layout import Layout  # noqa: E402
+from tests.backends.stores.redis import URL, delete_prefix, store_url  # noqa: E402
+from tests.support.countingproxy import CountingProxy  # noqa: E402
+from tests.support.services import redis_client  # noqa: E402
 
 _prefixes = itertools.count()
 

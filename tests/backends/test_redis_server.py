@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dlock_support import eventually
 
 from celery_dlock import BackendError, Holder, Lock, Outcome
 from celery_dlock.backends import backend_from_url
+from tests.support import eventually
 
 redis = pytest.importorskip("redis")
 
-from dlock_support import unavailable  # noqa: E402
-
 from celery_dlock.backends.redis import RedisBackend  # noqa: E402
 from celery_dlock.backends.redis.scripts import ACQUIRE  # noqa: E402
+from tests.support import unavailable  # noqa: E402
 
 
 class RedisServer:

@@ -1,7 +1,8 @@
 """Embedded-worker fixtures: one Celery app and one worker thread for the session.
 
-The worker runs the tasks of ``embedded_tasks`` with the solo pool in a thread of the test
-process, so the tests share the memory lock store with it and can hold keys themselves.
+The worker runs the tasks of ``tests.celery.embedded_tasks`` with the solo pool in a thread
+of the test process, so the tests share the memory lock store with it and can hold keys
+themselves.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def celery_config() -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def celery_includes() -> list[str]:
-    return ["embedded_tasks"]
+    return ["tests.celery.embedded_tasks"]
 
 
 @pytest.fixture(scope="session")

@@ -166,3 +166,29 @@ def doomed(self: Any, run: str) -> str:
     while time.monotonic() < deadline:  # pure Python: the injected error lands here
         sum(range(1000))
     return "finished without noticing"
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.patient",
+    lock_key="busy:{run}",
+    lock_wait=30.0,
+    on_locked="fail",
+)
+def patient(self: Any, run: str) -> str:
+    note(self, run)
+    return "ran"
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.impatient",
+    lock_key="busy:{run}",
+    lock_wait=0.5,
+    on_locked="fail",
+)
+def impatient(self: Any, run: str) -> str:
+    note(self, run)
+    return "ran"

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import embedded_tasks as tasks
 import pytest
 from celery import Celery
 
@@ -23,8 +22,9 @@ from celery_dlock import (
     Outcome,
     install,
 )
-from celery_dlock.app import forget_settings, settings
 from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.celery.settings import forget_settings, settings
+from tests.celery import embedded_tasks as tasks
 
 
 def new_run() -> str:
@@ -44,12 +44,20 @@ def eager() -> Iterator[tuple[Celery, dict[str, Any]]]:
     install(app, janitor=False)
     calls: dict[str, Any] = {"runs": []}
 
-    @app.task(base=LockedTask, bind=True, name="e.charge", lock_key="order:{order_id}", once=True)
+    @app.task(
+        shared=False,
+        base=LockedTask,
+        bind=True,
+        name="e.charge",
+        lock_key="order:{order_id}",
+        once=True,
+    )
     def charge(self: Any, order_id: str) -> str:
         calls["runs"].append(("charge", order_id, self.lease.fence))
         return f"receipt-{order_id}"
 
     @app.task(
+        shared=False,
         base=LockedTask,
         bind=True,
         name="e.flaky",
@@ -63,7 +71,7 @@ def eager() -> Iterator[tuple[Celery, dict[str, Any]]]:
             raise self.retry(exc=ConnectionError("later"))
         return int(self.request.retries)
 
-    @app.task(base=LockedTask, name="e.busy", lock_key="busy:{order_id}")
+    @app.task(shared=False, base=LockedTask, name="e.busy", lock_key="busy:{order_id}")
     def busy(order_id: str) -> str:
         calls["runs"].append(("busy", order_id))
         return "ran"
@@ -114,7 +122,7 @@ def broken_store(app: Any, tmp_path: Path) -> Iterator[None]:
     operation fails with a real OS error, turned into BackendError."""
     directory = tmp_path / "store"
     url = f"file://{directory}"
-    from celery_dlock.lock import shared_backend
+    from celery_dlock.process import shared_backend
 
     shared_backend(url)  # made while the directory exists
     shutil.rmtree(directory)
@@ -193,14 +201,16 @@ def test_bad_settings_are_named(name: str, value: Any, message: str) -> None:
 def test_default_store_is_a_local_file_store_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from celery_dlock import app as app_module
+    from celery_dlock.celery import settings as settings_module
 
-    app_module._warned_default.clear()
+    settings_module._warned_default.clear()
     app = Celery("defaults", set_as_current=False)
     with caplog.at_level(logging.WARNING, logger="celery_dlock"):
         current = settings(app)
-        settings(app)
-    assert current.backend.startswith("file://")
+        assert caplog.messages == []  # reading the settings is pure
+        settings_module.warn_if_default_store(current)
+        settings_module.warn_if_default_store(settings(app))
+    assert current.backend.startswith("file://") and current.default_backend
     assert current.namespace == "job" and current.ttl is None
     assert current.on_backend_error == "retry"
     assert sum("dlock_backend is not set" in m for m in caplog.messages) == 1

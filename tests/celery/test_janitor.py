@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from helpers.holders import kill, spawn_holder
 
 from celery_dlock import Holder, Outcome, install
 from celery_dlock.backends.file import FileBackend
-from celery_dlock.janitor import JANITOR_TASK, janitor_key, reap
+from celery_dlock.reap import JANITOR_TASK, janitor_key, reap
 from celery_dlock.records import Lease
+from tests.support.holders import kill, spawn_holder
 
 
 def dead_holder_lease(url: str, key: str) -> Lease:

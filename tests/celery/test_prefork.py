@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dlock_support import eventually, unavailable
-from helpers.holders import kill, spawn_holder
-from helpers.services import lease_session_pids, postgres_admin
 
 from celery_dlock import Holder, LockLostError, Outcome, backend_from_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.records import Lease, Record
+from tests.support import eventually, unavailable
+from tests.support.holders import kill, spawn_holder
+from tests.support.services import lease_session_pids, postgres_admin
 
 pytestmark = pytest.mark.slow
 
@@ -101,9 +101,8 @@ class Worker:
         }
         self.process: subprocess.Popen[bytes] | None = None
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("DLOCK_TEST_")})
-        sys.path.insert(0, str(HERE))
-        import workerapp
-
+        # Imported only now: it reads the DLOCK_TEST_* settings just set when first imported.
+        workerapp = importlib.import_module("tests.celery.workerapp")
         self.app = workerapp.app
         self.previous_queue = self.app.conf.task_default_queue
         self.app.conf.update(
@@ -259,9 +258,50 @@ def test_a_body_whose_lock_session_ends_is_stopped_with_on_lock_lost_raise(
     assert [e["event"] for e in worker.events() if e["key"] == key] == ["start"]  # stopped
     taken = worker.store.try_acquire(key, Holder.current(), None)
     assert taken is not None  # free for the next holder, whose takeover records the old one
-    [record] = [r for r in worker.history(key) if r.lease.token == body["token"]]
-    assert record.outcome is Outcome.DISCONNECTED
+    ended = {r.outcome: r for r in worker.history(key) if r.lease.token == body["token"]}
+    # The takeover records the dead session's lease; the body's own end is recorded lost.
+    assert set(ended) == {Outcome.DISCONNECTED, Outcome.LOST}
+    assert str(ended[Outcome.LOST].details).startswith("failed not recorded")
     assert worker.store.release(taken, Outcome.SUCCEEDED) is not None
+
+
+@pytest.mark.parametrize("transactional", [True, False], ids=["record_success", "at_release"])
+def test_a_child_killed_after_its_commit_charges_once_only_with_record_success(
+    worker: Worker, lock_url: str, transactional: bool
+) -> None:
+    """The child commits its charge, then is SIGKILLed before its release (the hook in
+    ``w.pay``); the duplicate that comes after replays the charge only when the success
+    was written in the charge's own transaction. Without it the order is charged twice:
+    the hole this option closes."""
+    if not lock_url.startswith("postgresql"):
+        pytest.skip("not applicable: record_success needs the Postgres store")
+    import psycopg
+
+    url, table = lock_url.partition("?")[0], f'"{lock_url.split("schema=")[1]}".charges'
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f"CREATE TABLE IF NOT EXISTS {table} (order_id text, token text)")
+    order = uuid.uuid4().hex[:8]
+    key = f"job:pay:{order}"
+    (worker.ledger.parent / f"kill-{order}").touch()
+    first = worker.tasks.pay.delay(order, transactional)
+    with pytest.raises(Exception, match=r"WorkerLostError|Worker exited"):
+        first.get(timeout=60)
+    eventually(lambda: worker.store.get(key) is None, "the dead child's lease released")
+
+    duplicate = worker.tasks.pay.delay(order, transactional).get(timeout=60)
+
+    with psycopg.connect(url) as connection:
+        tokens = connection.execute(
+            f"SELECT token FROM {table} WHERE order_id = %s", (order,)
+        ).fetchall()
+    committed = [e for e in worker.events() if e["key"] == key and e["event"] == "committed"]
+    if transactional:
+        assert len(tokens) == 1 and len(committed) == 1  # charged once
+        assert duplicate == {"order": order, "fence": committed[0]["fence"]}  # replayed
+        kept = worker.store.last_success(key, "w.pay")
+        assert kept is not None and kept.lease.token == committed[0]["token"]
+    else:
+        assert len(tokens) == 2 and len(committed) == 2  # the double charge, shown
 
 
 def test_a_hard_time_limit_is_recorded_once(worker: Worker) -> None:

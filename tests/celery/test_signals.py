@@ -17,8 +17,8 @@ from celery.exceptions import TimeLimitExceeded
 
 from celery_dlock import LockedTask, Outcome, install
 from celery_dlock.backends.file import FileBackend
+from celery_dlock.celery.signals import _task_failed, _task_revoked
 from celery_dlock.records import Holder, Lease
-from celery_dlock.signals import _task_failed, _task_revoked
 
 CHILD = (
     "import json, sys\n"
@@ -39,7 +39,7 @@ def setup(tmp_path: Path) -> tuple[Any, FileBackend, str]:
     app.conf.dlock_backend = url
     install(app, janitor=False)
 
-    @app.task(base=LockedTask, name="s.charge", lock_key="order:{order_id}")
+    @app.task(shared=False, base=LockedTask, name="s.charge", lock_key="order:{order_id}")
     def charge(order_id: int) -> None:
         pass
 
@@ -106,7 +106,7 @@ def test_a_live_attempt_with_the_same_task_id_is_left_alone(setup: Any) -> None:
     task, store, url = setup
     lease, child = child_lease(url, "job:order:4", "task-4", kill=False)
     try:
-        from celery_dlock import signals
+        from celery_dlock.celery import signals
 
         result = signals.release_dead_attempt(
             task, "task-4", args=[4], kwargs={}, outcome=Outcome.DISCONNECTED,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
-import embedded_tasks as tasks
 import pytest
 from celery import signals
 from celery.exceptions import Retry
-from dlock_support import eventually
 
 from celery_dlock import (
     ConfigurationError,
@@ -19,9 +18,12 @@ from celery_dlock import (
     LockKeyError,
     LockLostError,
     LockNotAcquiredError,
+    LockTimeoutError,
     Outcome,
 )
 from celery_dlock.backends.memory import MemoryBackend
+from tests.celery import embedded_tasks as tasks
+from tests.support import eventually
 
 pytestmark = pytest.mark.usefixtures("app")
 
@@ -177,6 +179,29 @@ def test_fail_raises_lock_not_acquired_through_the_result_backend(store: MemoryB
     assert tasks.SEEN[run] == []
 
 
+def test_lock_wait_takes_a_key_freed_within_it_without_requeueing(store: MemoryBackend) -> None:
+    run = new_run()
+    blocker = hold(store, f"job:busy:{run}")
+    result = tasks.patient.delay(run)
+    time.sleep(0.3)
+    assert tasks.SEEN[run] == []  # waiting on the held key
+    store.release(blocker, Outcome.SUCCEEDED)
+    assert result.get(timeout=30) == "ran"
+    [seen] = tasks.SEEN[run]
+    assert seen["retries"] == 0 and seen["fence"] > blocker.fence  # this attempt took it
+
+
+def test_lock_wait_gives_up_no_earlier_than_its_wait(store: MemoryBackend) -> None:
+    run = new_run()
+    hold(store, f"job:busy:{run}")
+    started = time.monotonic()
+    with pytest.raises(LockTimeoutError) as info:
+        tasks.impatient.delay(run).get(timeout=30)
+    assert time.monotonic() - started >= 0.5
+    assert info.value.key == f"job:busy:{run}" and info.value.wait == 0.5
+    assert tasks.SEEN[run] == []
+
+
 def test_retry_requeues_until_free_without_eating_max_retries(store: MemoryBackend) -> None:
     run = new_run()
     blocker = hold(store, f"job:busy:{run}")
@@ -265,7 +290,9 @@ def test_on_lock_lost_raise_stops_the_body(
             result.get(timeout=15)
     fence = tasks.SEEN[run][0]["fence"]
     assert info.value.key == key and info.value.fence == fence
-    assert outcomes(store, key) == [Outcome.FORCED]
+    # The operator's release, then the body's own end, recorded as lost with what it was.
+    assert outcomes(store, key) == [Outcome.FORCED, Outcome.LOST]
+    assert str(store.history(key=key)[0].details).startswith("failed not recorded")
     # One error line of ours for one lost lease, naming the key, its fence and the task;
     # the release that finds it gone then says so as a warning.
     ours = [r for r in caplog.records if r.name.startswith("celery_dlock")]
@@ -281,7 +308,9 @@ def test_on_lock_lost_raise_stops_the_body(
 def test_bad_placeholder_names_task_and_placeholder(celery_session_app: Any) -> None:
     with pytest.raises(LockKeyError) as info:
 
-        @celery_session_app.task(base=LockedTask, name="shop.charge", lock_key="order:{order}")
+        @celery_session_app.task(
+            base=LockedTask, name="shop.charge", lock_key="order:{order}", shared=False
+        )
         def charge(order_id: int) -> None:
             pass
 
@@ -290,7 +319,9 @@ def test_bad_placeholder_names_task_and_placeholder(celery_session_app: Any) -> 
 
 
 def test_bound_task_signature_skips_self(celery_session_app: Any) -> None:
-    @celery_session_app.task(base=LockedTask, bind=True, name="shop.bound", lock_key="o:<order_id>")
+    @celery_session_app.task(
+        base=LockedTask, bind=True, name="shop.bound", lock_key="o:<order_id>", shared=False
+    )
     def bound(self: Any, order_id: int) -> None:
         pass
 
@@ -313,7 +344,7 @@ def test_bad_options_fail_at_definition(
     name = f"shop.bad_{uuid.uuid4().hex[:6]}"
     with pytest.raises(ConfigurationError, match=message) as info:
 
-        @celery_session_app.task(base=LockedTask, name=name, **options)
+        @celery_session_app.task(base=LockedTask, name=name, shared=False, **options)
         def bad(order_id: int) -> None:
             pass
 

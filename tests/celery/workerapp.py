@@ -10,8 +10,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 from celery import Celery
 
@@ -62,6 +65,7 @@ def _body(task: Any, seconds: float, **data: Any) -> dict[str, Any]:
 
 
 @app.task(
+    shared=False,
     base=LockedTask,
     bind=True,
     name="w.charge",
@@ -75,6 +79,7 @@ def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
 
 
 @app.task(
+    shared=False,
     base=LockedTask,
     bind=True,
     name="w.serial",
@@ -86,12 +91,13 @@ def serial(self: Any, order_id: int, n: int) -> dict[str, Any]:
     return _body(self, 0.05, n=n)
 
 
-@app.task(base=LockedTask, bind=True, name="w.hold", lock_key="hold:{order_id}")
+@app.task(shared=False, base=LockedTask, bind=True, name="w.hold", lock_key="hold:{order_id}")
 def hold(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
     return _body(self, seconds)
 
 
 @app.task(
+    shared=False,
     base=LockedTask,
     bind=True,
     name="w.fragile",
@@ -106,6 +112,7 @@ def fragile(self: Any, order_id: str) -> None:
 
 
 @app.task(
+    shared=False,
     base=LockedTask,
     bind=True,
     name="w.soft",
@@ -116,12 +123,20 @@ def soft(self: Any, order_id: str) -> dict[str, Any]:
     return _body(self, 5)
 
 
-@app.task(base=LockedTask, bind=True, name="w.hard", lock_key="hard:{order_id}", time_limit=1.0)
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.hard",
+    lock_key="hard:{order_id}",
+    time_limit=1.0,
+)
 def hard(self: Any, order_id: str) -> dict[str, Any]:
     return _body(self, 10)
 
 
 @app.task(
+    shared=False,
     base=LockedTask,
     bind=True,
     name="w.late",
@@ -134,6 +149,7 @@ def late(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
 
 
 @app.task(
+    shared=False,
     base=LockedTask,
     bind=True,
     name="w.later",
@@ -143,3 +159,34 @@ def late(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
 def later(self: Any, order_id: str) -> None:
     ledger("start", self)
     raise self.retry(countdown=3600)
+
+
+def charges_table() -> tuple[str, str]:
+    """The lock store's database URL and the ``charges`` table in its schema: the app's own
+    data beside the store's tables, as a payments app's ledger would be."""
+    base, _, query = os.environ["DLOCK_TEST_LOCKS"].partition("?")
+    return base, f'"{dict(parse_qsl(query))["schema"]}".charges'
+
+
+@app.task(
+    shared=False, base=LockedTask, bind=True, name="w.pay", lock_key="pay:{order_id}", once=True
+)
+def pay(self: Any, order_id: str, transactional: bool) -> dict[str, Any]:
+    """Charge: a row in ``charges``, committed; with ``transactional`` the once success is
+    written in the same transaction. If a file ``kill-<order_id>`` lies beside the ledger, the
+    child removes it and SIGKILLs itself right after the commit, before the release."""
+    import psycopg
+
+    ledger("start", self)
+    url, table = charges_table()
+    result = {"order": order_id, "fence": self.lease.fence}
+    with psycopg.connect(url) as connection:
+        connection.execute(f"INSERT INTO {table} VALUES (%s, %s)", (order_id, self.lease.token))
+        if transactional:
+            self.record_success(connection, result)
+    ledger("committed", self)
+    hook = Path(os.environ["DLOCK_TEST_LEDGER"]).with_name(f"kill-{order_id}")
+    if hook.exists():
+        hook.unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result

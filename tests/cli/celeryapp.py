@@ -11,7 +11,7 @@ import os
 
 from celery import Celery
 
-from celery_dlock.app import install
+from celery_dlock import install
 
 app = Celery("celeryapp", broker="memory://")
 if "DLOCK_CLI_BACKEND" in os.environ:

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers.services import POSTGRES_URL, with_options
-from helpers.services import redis_client as connect_redis
-
 from celery_dlock.backends.base import LockBackend
+from tests.support.services import POSTGRES_URL, with_options
+from tests.support.services import redis_client as connect_redis
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from clitools import REDIS_URL, CliStore, postgres_url, redis_client
-from helpers.services import drop_schema, postgres_admin
 
 from celery_dlock import backend_from_url
+from tests.cli.clitools import REDIS_URL, CliStore, postgres_url, redis_client
+from tests.support.services import drop_schema, postgres_admin
 
 
 @pytest.fixture(params=["file", "postgres", "redis"])

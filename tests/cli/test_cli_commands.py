@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clitools import CliStore, popen_cli, run_celery, run_cli
-from helpers.holders import kill, spawn_holder
 
 from celery_dlock.records import Holder, Lease, Outcome, Record
+from tests.cli.clitools import CliStore, popen_cli, run_celery, run_cli
+from tests.support.holders import kill, spawn_holder
 
 
 def hold(store: CliStore, key: str, ttl: float | None = None, task_id: str = "t-1") -> Lease:
@@ -337,8 +337,8 @@ def test_reap_prints_counts(file_store: CliStore) -> None:
 
 
 def test_migrate_creates_the_postgres_schema_idempotently() -> None:
-    from clitools import postgres_url
-    from helpers.services import drop_schema, postgres_admin
+    from tests.cli.clitools import postgres_url
+    from tests.support.services import drop_schema, postgres_admin
 
     admin = postgres_admin()
     schema = f"dlock_cli_{os.urandom(5).hex()}"

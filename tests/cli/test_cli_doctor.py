@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from clitools import REDIS_URL, CliStore, postgres_url, redis_client, run_celery, run_cli
-from helpers.services import drop_schema, postgres_admin
 
 from celery_dlock import backend_from_url
 from celery_dlock.records import Holder
+from tests.cli.clitools import REDIS_URL, CliStore, postgres_url, redis_client, run_celery, run_cli
+from tests.support.services import drop_schema, postgres_admin
 
 SECRET = "s3cret-pw"
 

@@ -52,12 +52,19 @@ from celery_dlock.backends.base import (
 )
 from celery_dlock.backends.objectstore import clock as server_clocks
 from celery_dlock.backends.objectstore import history as records
-from celery_dlock.backends.objectstore.clock import ServerClock, ServerNow, maybe_expired, verdict
+from celery_dlock.backends.objectstore.clock import (
+    CALIBRATED,
+    ServerClock,
+    ServerNow,
+    maybe_expired,
+    verdict,
+)
+from celery_dlock.backends.objectstore.doctor import checks
 from celery_dlock.backends.objectstore.layout import (
     Layout,
     LockState,
-    answers_once,
     encode,
+    keeps_result,
     lock_body,
     us,
 )
@@ -84,8 +91,6 @@ __all__ = [
 
 
 _DAY = 86400.0
-#: ``reap`` narrows the server clock's window below this before judging close calls.
-CALIBRATED = 0.1
 _CALIBRATION_STEP = 0.04
 _CALIBRATION_BUDGET = 2.5
 #: ``wait`` polls first after this, then doubles up to the cap (jittered).
@@ -267,8 +272,7 @@ class ObjectStoreBackend(LockBackend):
         version, found = self._put(name, body, old, write)
         if version is None:
             return None, found
-        held = None if lease is None else lease.with_version(version)
-        state = LockState(key, fence, held, freed_at, write, ended, successes, version)
+        state = LockState(key, fence, lease, freed_at, write, ended, successes, version)
         self._local.get().saw(name, state)
         return state, None
 
@@ -298,7 +302,7 @@ class ObjectStoreBackend(LockBackend):
             fence = self._floor() + 1 if previous is None else previous.fence + 1
             held = None if previous is None else previous.lease
             if held is not None and replace is not None and held.token == replace:
-                record = retried(held.with_version(None), holder, _released_at(held, now))
+                record = retried(held, holder, _released_at(held, now))
             elif held is not None:
                 if verdict(held, now, date) != "expired":
                     self._local.get().saw(name, previous)
@@ -321,9 +325,10 @@ class ObjectStoreBackend(LockBackend):
 
     def _ours(self, lease: Lease) -> LockState | None:
         """The lock object's state if it holds ``lease`` (by token): the state this process
-        last saw if that is still at ``lease.version``, else read."""
+        last saw if it held that lease (a stale guess fails its write's condition), else
+        read."""
         name = self.layout.lock(lease.key)
-        state = self._local.get().state(name, lease.version)
+        state = self._local.get().holding(name, lease.token)
         if state is None or self.server_clock.now() is None:
             state = self._decode(self._read(name), name)
         if state is None or state.lease is None or state.lease.token != lease.token:
@@ -466,13 +471,17 @@ class ObjectStoreBackend(LockBackend):
 
     def _tidy(self, name: str, state: LockState) -> None:
         """Copy a free lock object's last record to history if nobody did (its writer died
-        in between), and delete the object if it has been free for ``gc_after``."""
+        in between), and collect the key if it has been free for ``gc_after``."""
         now = self._now()
         ended = state.ended
         if ended is not None and now.low - float(ended["released_at"]) < _REPAIR_WINDOW:
             self._flush(ended)
-        if state.freed_at is None or now.low - state.freed_at < self.gc_after:
-            return
+        if state.freed_at is not None and now.low - state.freed_at >= self.gc_after:
+            self._collect(name, state)
+
+    def _collect(self, name: str, state: LockState) -> None:
+        """Remove the lock object of a key idle past ``gc_after``, keeping its fence (in the
+        fence floor) and its results (under ``success/``)."""
         for success in state.successes.values():
             self._flush(success, history=False)
         self._raise_floor(state.fence)
@@ -525,6 +534,9 @@ class ObjectStoreBackend(LockBackend):
     def last_success(self, key: str, task_name: str) -> Record | None:
         return records.last_success(self, key, task_name)
 
+    def remember(self, record: Record) -> bool:
+        return records.remember(self, record)
+
     def prune_history(self, before: float) -> int:
         return records.prune(self, before)
 
@@ -570,8 +582,6 @@ class ObjectStoreBackend(LockBackend):
     def diagnose(self) -> list[Check]:
         """Whether the bucket honours what the locks rest on, and how well the server's
         clock is known (see ``doctor.py``)."""
-        from celery_dlock.backends.objectstore.doctor import checks
-
         return checks(self)
 
 
@@ -590,7 +600,7 @@ def _record(
 ) -> Record:
     """The record of ``lease`` ending now (by the server's clock)."""
     released_at = _released_at(lease, now)
-    return Record(lease.with_version(None), released_at, Outcome(outcome), problem, details, result)
+    return Record(lease, released_at, Outcome(outcome), problem, details, result)
 
 
 def _with_success(
@@ -598,7 +608,7 @@ def _with_success(
 ) -> dict[str, dict[str, Any]]:
     """``successes`` with ``record`` as its task's newest, if it answers ``once``; at most
     the newest 8 task names are kept in the lock object (the rest stay in ``success/``)."""
-    if not answers_once(record):
+    if not keeps_result(record):
         return successes
     task_name = str(record["lease"]["holder"]["task_name"])
     updated = {**successes, task_name: record}

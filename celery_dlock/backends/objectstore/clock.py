@@ -25,7 +25,18 @@ from celery_dlock.backends.base import Clock
 from celery_dlock.backends.objectstore.store import Stamp
 from celery_dlock.records import Lease
 
-__all__ = ["ServerClock", "ServerNow", "Verdict", "maybe_expired", "shared", "verdict"]
+__all__ = [
+    "CALIBRATED",
+    "ServerClock",
+    "ServerNow",
+    "Verdict",
+    "maybe_expired",
+    "shared",
+    "verdict",
+]
+
+#: ``reap`` narrows the server clock's window below this before judging close calls.
+CALIBRATED = 0.1
 
 #: The resolution of an HTTP ``Date`` header.
 DATE_RESOLUTION = 1.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from celery_dlock.backends.base import Check
+from celery_dlock.backends.objectstore.clock import CALIBRATED
 from celery_dlock.backends.objectstore.layout import encode
 from celery_dlock.records import new_token
 
@@ -23,8 +24,6 @@ __all__ = ["checks"]
 def checks(backend: ObjectStoreBackend) -> list[Check]:
     """Create-if-absent, compare-and-swap and conditional delete, tried on a scratch
     object; and how narrowly the server's clock is known."""
-    from celery_dlock.backends.objectstore import CALIBRATED
-
     store = backend.store()
     name = f"{backend.layout.doctor}{new_token()}"
     found: list[Check] = []

@@ -10,18 +10,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from celery_dlock.backends.file import file_name
-from celery_dlock.backends.objectstore.layout import answers_once, encode
+from celery_dlock.backends.base import success_task
+from celery_dlock.backends.naming import file_name
+from celery_dlock.backends.objectstore.layout import encode, keeps_result
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Outcome, Record
 
 if TYPE_CHECKING:
     from celery_dlock.backends.objectstore import ObjectStoreBackend
 
-__all__ = ["add", "flush", "last_success", "prune", "query"]
+__all__ = ["add", "flush", "last_success", "prune", "query", "remember"]
 
 logger = logging.getLogger("celery_dlock")
 _MICRO = 1e6
@@ -36,7 +36,7 @@ def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool 
     if local.flushed(token):
         return
     names = [backend.layout.history_name(record)] if history else []
-    if answers_once(record):
+    if keeps_result(record):
         names.append(backend.layout.success_name(record))
     body = encode(record)
     try:
@@ -52,9 +52,9 @@ def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool 
 def add(backend: ObjectStoreBackend, record: Record) -> None:
     """A record that ended no lease here (a skipped attempt): history, and ``success/`` if
     it answers ``once``."""
-    data = replace(record, lease=record.lease.with_version(None)).to_dict()
+    data = record.to_dict()
     backend._create(backend.layout.history_name(data), encode(data))
-    if answers_once(data):
+    if keeps_result(data):
         backend._create(backend.layout.success_name(data), encode(data))
 
 
@@ -104,6 +104,19 @@ def last_success(backend: ObjectStoreBackend, key: str, task_name: str) -> Recor
         if body is not None:
             return Record.from_dict(json.loads(body))
     return None
+
+
+def remember(backend: ObjectStoreBackend, record: Record) -> bool:
+    """``record`` under ``success/`` unless a success of its key and task is kept already.
+
+    Its object is create-only and named by its own fence, so it never replaces another
+    holder's; a success kept meanwhile by a concurrent holder may stand beside it (both
+    are then kept, and ``last_success`` answers with the newer fence)."""
+    task_name = success_task(record)
+    if last_success(backend, record.key, task_name) is not None:
+        return False
+    data = record.to_dict()
+    return backend._create(backend.layout.success_name(data), encode(data)).version is not None
 
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:

@@ -2,7 +2,7 @@
 
 ``locks/<name>``
     One object per key. ``<name>`` is the key percent-encoded, or for long keys a prefix
-    and a SHA-256 (:func:`celery_dlock.backends.file.file_name`), so ``/``, ``..`` and ``%``
+    and a SHA-256 (:func:`celery_dlock.backends.naming.file_name`), so ``/``, ``..`` and ``%``
     cannot escape or collide. The body is JSON: ``state`` (``held`` or ``free``), ``fence``,
     the ``lease`` (token, holder, acquired_at, expires_at), ``write`` (a nonce new for every
     write, so no two bodies, and no two S3 ETags, are ever equal), ``freed_at``, ``ended``
@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from celery_dlock.backends.base import remembered
-from celery_dlock.backends.file import file_name
+from celery_dlock.backends.naming import file_name
 from celery_dlock.backends.objectstore.store import Found
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Lease
 
-__all__ = ["HistoryName", "Layout", "LockState", "answers_once", "encode", "lock_body", "us"]
+__all__ = ["HistoryName", "Layout", "LockState", "encode", "keeps_result", "lock_body", "us"]
 
 _MICRO = 1_000_000
 _HISTORY_DIGITS = 17
@@ -49,9 +49,9 @@ def encode(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode("ascii")
 
 
-def answers_once(record: dict[str, Any]) -> bool:
-    """Whether ``record`` (a ``Record.to_dict()``) is a ``last_success`` answer: a success
-    with a result, of a holder with a task name."""
+def keeps_result(record: dict[str, Any]) -> bool:
+    """Whether ``record`` (a ``Record.to_dict()``) keeps a result for ``last_success``: a
+    success with a result, of a holder with a task name."""
     task_name = record["lease"]["holder"]["task_name"]
     return remembered(record["outcome"], record["result"], task_name) is not None
 
@@ -141,7 +141,7 @@ class LockState:
             data = json.loads(found.body)
             lease = None
             if data["state"] == "held":
-                lease = Lease.from_dict(data["lease"]).with_version(found.version)
+                lease = Lease.from_dict(data["lease"])
             freed_at = data.get("freed_at")
             return cls(
                 key=str(data["key"]),
@@ -176,7 +176,7 @@ def lock_body(
             "key": key,
             "state": "free" if lease is None else "held",
             "fence": fence,
-            "lease": None if lease is None else lease.with_version(None).to_dict(),
+            "lease": None if lease is None else lease.to_dict(),
             "freed_at": freed_at,
             "write": write,
             "ended": ended,

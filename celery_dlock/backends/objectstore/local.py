@@ -39,11 +39,13 @@ class Local:
 
     # -- states last seen --------------------------------------------------------------------
 
-    def state(self, name: str, version: str | None) -> LockState | None:
-        """The state last seen of ``name`` if it is still at ``version``."""
+    def holding(self, name: str, token: str) -> LockState | None:
+        """The state last seen of ``name`` if it held the lease with ``token``."""
         with self._mutex:
             state = self._states.get(name)
-        return state if state is not None and state.version == version else None
+        if state is None or state.lease is None or state.lease.token != token:
+            return None
+        return state
 
     def free_state(self, name: str) -> LockState | None:
         """The state last seen of ``name`` if it was free."""

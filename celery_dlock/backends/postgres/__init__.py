@@ -75,13 +75,14 @@ from celery_dlock.backends.base import (
     LockBackend,
     ProcessLocal,
     remembered,
+    success_task,
     validate_ttl,
 )
-from celery_dlock.backends.postgres import rows
+from celery_dlock.backends.postgres import rows, transactional
 from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url, translate
 from celery_dlock.backends.postgres.recovery import failed, refuse, resolve_release, undo_acquire
 from celery_dlock.backends.postgres.session import Client, Session, migrate
-from celery_dlock.errors import BackendError
+from celery_dlock.errors import AlreadySucceededError, BackendError
 from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["LIBPQ_PARAMETERS", "PostgresBackend"]
@@ -269,10 +270,42 @@ class PostgresBackend(LockBackend):
         return row
 
     def add_record(self, record: Record) -> None:
-        lease = record.lease
         outcome = Outcome(record.outcome)
+        success = remembered(outcome, record.result, record.lease.holder.task_name) is not None
+        statement = self._sql.add_record_success if success else self._sql.add_record
+        self._write(statement, self._record_params(record), "add_record")
+
+    def remember(self, record: Record) -> bool:
+        params = self._record_params(record)
+        params["task_name"] = success_task(record)
+        return self._write(self._sql.remember, params, "remember") == 1
+
+    def record_success(self, connection: Any, record: Record) -> None:
+        """Keep ``record`` as the ``once`` success of its key and task inside the caller's
+        own transaction on ``connection`` (psycopg 3 or psycopg2 connection or cursor, or a
+        SQLAlchemy ``Session``/``Connection``), so that it commits or rolls back with the
+        caller's writes. Nothing is committed here.
+
+        Raises:
+            AlreadySucceededError: a success is kept already (the caller's transaction must
+                roll back: its effect would be a second one).
+            ConfigurationError: ``connection`` does not reach this store's tables.
+        """
+        params = self._record_params(record)
+        params["task_name"] = success_task(record)
+        params["fence"] = record.lease.fence
+        tables = f"the tables of schema {self.schema!r} of the lock store [{self.url}]"
+        kept = transactional.execute(connection, self._sql.record_success, params, tables)
+        if not kept:
+            winner = self.last_success(record.key, params["task_name"])
+            fence = -1 if winner is None else winner.lease.fence
+            task_id = None if winner is None else winner.lease.holder.task_id
+            raise AlreadySucceededError(record.key, params["task_name"], fence, task_id)
+
+    def _record_params(self, record: Record) -> dict[str, Any]:
+        lease = record.lease
         result_json, _ = rows.result_json(record.result)
-        params = {
+        return {
             "token": lease.token,
             "key": lease.key,
             "fence": Int8(lease.fence),
@@ -280,14 +313,11 @@ class PostgresBackend(LockBackend):
             "acquired_at": rows.timestamp(lease.acquired_at),
             "expires_at": None if lease.expires_at is None else rows.timestamp(lease.expires_at),
             "released_at": rows.timestamp(record.released_at),
-            "outcome": outcome.value,
+            "outcome": Outcome(record.outcome).value,
             "problem": rows.text(record.problem, PROBLEM_LIMIT),
             "details": rows.text(record.details, DETAILS_LIMIT),
             "result": result_json,
         }
-        success = remembered(outcome, record.result, lease.holder.task_name) is not None
-        statement = self._sql.add_record_success if success else self._sql.add_record
-        self._write(statement, params, "add_record")
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)

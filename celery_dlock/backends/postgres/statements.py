@@ -140,6 +140,26 @@ class Statements:
             f"{self._success()}\n"
             "SELECT count(*) FROM success"
         )
+        keep = (
+            f"INSERT INTO {n.successes} (key, task_name, {_COLUMNS.replace('key, ', '')})\n"
+            "SELECT %(key)s, %(task_name)s, %(token)s, %(fence)s, CAST(%(holder)s AS json), "
+            "%(acquired_at)s, %(expires_at)s, %(released_at)s, 'succeeded', %(problem)s, "
+            "%(details)s, CAST(%(result)s AS json){source}\n"
+            "ON CONFLICT (key, task_name) DO NOTHING\nRETURNING 1"
+        )
+        self.remember = (
+            "-- remember: a success record's fields, its task name | 1 when kept; no row when "
+            "a success of that key and task is kept already (first wins). Committed durably, "
+            "as the once markers of release_success are.\n"
+            + keep.format(
+                source="\nFROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
+            )
+        )
+        self.record_success = (
+            "-- record_success: as remember, in the caller's own transaction and connection "
+            "(psycopg or psycopg2, so nothing server- or driver-specific), committed by the "
+            "caller\n" + keep.format(source="")
+        )
         self.renew = (
             "-- renew: key, token, ttl | (acquired_at, expires_at); no row when not ours or "
             "expired\n"

@@ -77,6 +77,7 @@ from celery_dlock.backends.base import (
     Check,
     LockBackend,
     remembered,
+    success_task,
     validate_ttl,
 )
 from celery_dlock.backends.redis.client import AMBIGUOUS, Client, Connections
@@ -100,6 +101,7 @@ from celery_dlock.backends.redis.scripts import (
     PROBE,
     PRUNE,
     RELEASE,
+    REMEMBER,
     RENEW,
     bulks,
 )
@@ -312,6 +314,12 @@ class RedisBackend(LockBackend):
         first_id = max(0, _ms_floor(record.released_at) + 2)
         args = [self._common[0], first_id, marker_ms, *record_fields(record)]
         self._client.eval(ADD, keys, args, operation="add_record", key=record.key)
+
+    def remember(self, record: Record) -> bool:
+        marker = self._layout.marker(record.key, success_task(record))
+        args = [self._success_ms, *record_fields(record)]
+        kept = self._client.eval(REMEMBER, [marker], args, operation="remember", key=record.key)
+        return bool(kept)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)

@@ -48,6 +48,7 @@ __all__ = [
     "PROBE",
     "PRUNE",
     "RELEASE",
+    "REMEMBER",
     "RENEW",
     "Script",
     "bulks",
@@ -460,6 +461,24 @@ if KEYS[2] then
   redis.call('HSET', KEYS[2], unpack(fields))
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end
+return 1
+""",
+)
+
+REMEMBER = Script(
+    "remember",
+    """
+-- remember: KEYS 1 success marker | ARGV 1 marker ms, 2... the record's fields | 1 kept,
+-- 0 when a success is kept already (first wins: never an overwrite)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+local fields = {}
+for i = 2, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """,
 )

@@ -5,10 +5,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from storecase import StoreCase
 
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.testing import FakeClock
+from tests.backends.storecase import StoreCase
 
 NAME = "file"
 

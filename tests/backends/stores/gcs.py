@@ -7,10 +7,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers.objectstore_servers import session_server, unique_prefix
-from storecase import StoreCase
 
 from celery_dlock.backends import backend_from_url
+from tests.backends.storecase import StoreCase
+from tests.support.objectstore_servers import session_server, unique_prefix
 
 NAME = "gcs"
 

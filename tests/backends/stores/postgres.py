@@ -12,10 +12,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers.services import POSTGRES_URL as SERVER_URL
-from helpers.services import drop_schema, with_options
-from helpers.services import postgres_admin as admin_connection
-from storecase import StoreCase
+
+from tests.backends.storecase import StoreCase
+from tests.support.services import POSTGRES_URL as SERVER_URL
+from tests.support.services import drop_schema, with_options
+from tests.support.services import postgres_admin as admin_connection
 
 __all__ = ["NAME", "SERVER_URL", "admin_connection", "drop_schema", "open_store", "with_options"]
 

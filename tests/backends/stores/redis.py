@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers.services import redis_client
-from storecase import StoreCase
+
+from tests.backends.storecase import StoreCase
+from tests.support.services import redis_client
 
 NAME = "redis"
 URL = os.environ.get("DLOCK_REDIS_URL", "redis://127.0.0.1:6379/1")

@@ -1,5 +1,5 @@
 """S3 against moto's server (``moto[server]``), a separate process on a loopback port that
-handles one request at a time (``helpers/moto_atomic.py``)."""
+handles one request at a time (``tests/support/moto_atomic.py``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from helpers.objectstore_servers import session_server, unique_prefix
-from storecase import StoreCase
 
 from celery_dlock.backends import backend_from_url
+from tests.backends.storecase import StoreCase
+from tests.support.objectstore_servers import session_server, unique_prefix
 
 NAME = "s3"
 

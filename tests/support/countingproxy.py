@@ -12,6 +12,9 @@ point: that is one network wait for the client.
 It can also lose a reply: ``drop_next_reply()`` lets the next request reach the server
 and run, then cuts the connection before the answer gets back, as a network failure would
 (the client cannot know whether its command ran).
+
+``refuse()`` makes the server unreachable, as an outage does: every connection is cut and
+new ones are closed at once, until ``accept()``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class CountingProxy:
         self._closing = threading.Event()
         self._connections: list[socket.socket] = []
         self._to_drop = 0
+        self._refusing = False
         #: Replies lost so far by ``drop_next_reply``.
         self.dropped = 0
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -71,6 +75,17 @@ class CountingProxy:
         with self._lock:
             self._to_drop += 1
 
+    def refuse(self) -> None:
+        """Cut every connection and refuse new ones until ``accept()``."""
+        with self._lock:
+            self._refusing = True
+        self.kill_connections()
+
+    def accept(self) -> None:
+        """Let connections through again."""
+        with self._lock:
+            self._refusing = False
+
     def kill_connections(self) -> None:
         """Cut every proxied connection at once, as a network failure would."""
         with self._lock:
@@ -91,6 +106,11 @@ class CountingProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            with self._lock:
+                refusing = self._refusing
+            if refusing:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.target)
             except OSError:
@@ -122,7 +142,7 @@ class CountingProxy:
                             return  # the reply dies with the connection, cut below
                     last_from_client = sock is client
                     peers[sock].sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: select() on a socket closed meanwhile
             return
         finally:
             for sock in (client, server):

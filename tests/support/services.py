@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dlock_support import unavailable
+from tests.support import unavailable
 
 POSTGRES_URL = os.environ.get("DLOCK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -1,4 +1,5 @@
-"""``install(app)`` and the ``app.conf.dlock_*`` settings it reads.
+"""The ``app.conf.dlock_*`` settings: read, validated and cached; pure reads (the warning
+about the default store is its own call, :func:`warn_if_default_store`).
 
 Settings (Celery style, all optional)::
 
@@ -26,12 +27,19 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from celery_dlock.backends.base import LockBackend, validate_ttl
 from celery_dlock.errors import ConfigurationError
-from celery_dlock.lock import shared_backend
+from celery_dlock.process import shared_backend
 
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["Settings", "backend_for", "forget_settings", "install", "settings"]
+__all__ = [
+    "Settings",
+    "backend_for",
+    "default_backend_url",
+    "forget_settings",
+    "settings",
+    "warn_if_default_store",
+]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -49,6 +57,8 @@ class Settings:
     janitor_interval: float
     history_retention: float | None
     on_backend_error: Literal["retry", "run"]
+    #: ``backend`` is the local file store used because ``dlock_backend`` is not set.
+    default_backend: bool = False
 
 
 def default_backend_url() -> str:
@@ -86,15 +96,9 @@ def forget_settings(app: Celery) -> None:
 def _read_settings(app: Celery) -> Settings:
     conf = app.conf
     url = conf.get("dlock_backend")
-    if url is None:
+    default = url is None
+    if default:
         url = default_backend_url()
-        if not _warned_default.is_set():
-            _warned_default.set()
-            logger.warning(
-                "dlock_backend is not set: locks live in the local file store %s, which "
-                "only processes on this host share; set app.conf.dlock_backend for more",
-                url,
-            )
     elif not isinstance(url, str):
         raise ConfigurationError(f"dlock_backend must be a URL string, not {url!r}")
     namespace = conf.get("dlock_namespace", "job")
@@ -114,7 +118,7 @@ def _read_settings(app: Celery) -> Settings:
         raise ConfigurationError(
             f"dlock_on_backend_error must be 'retry' (fail closed) or 'run', not {on_error!r}"
         )
-    return Settings(url, namespace, ttl, interval, retention, on_error)
+    return Settings(url, namespace, ttl, interval, retention, on_error, default)
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -123,22 +127,17 @@ def _seconds(value: Any, name: str) -> float:
     return float(value)
 
 
+def warn_if_default_store(current: Settings) -> None:
+    """Warn once per process when ``current`` uses the default local file store."""
+    if current.default_backend and not _warned_default.is_set():
+        _warned_default.set()
+        logger.warning(
+            "dlock_backend is not set: locks live in the local file store %s, which only "
+            "processes on this host share; set app.conf.dlock_backend for more",
+            current.backend,
+        )
+
+
 def backend_for(app: Celery) -> LockBackend:
     """The lock store of ``app`` in this process (one per URL per process)."""
     return shared_backend(settings(app).backend)
-
-
-def install(app: Celery, *, janitor: bool = True) -> None:
-    """Connect celery-dlock to ``app``: the worker signal handlers and, unless ``janitor``
-    is False, the janitor task with its beat entry every ``dlock_janitor_interval``.
-
-    Safe to call more than once, before or after the app is configured.
-    """
-    from celery_dlock import janitor as janitor_module
-    from celery_dlock import signals
-
-    # Nothing here may read app.conf: that would configure the app now, and a
-    # beat_schedule the user assigns afterwards would replace the janitor's entry.
-    signals.connect()
-    if janitor:
-        janitor_module.register(app)

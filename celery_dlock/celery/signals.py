@@ -1,6 +1,6 @@
 """Worker lifecycle handlers: per-child setup, a child that died, revoke, shutdown.
 
-Facts from Celery 5.7 (shared/notes/celery-5.7-facts.md §2, §4) these rest on:
+Facts of Celery 5.7 these rest on (measured):
 
 - A SIGKILLed pool child runs no code; only the parent gets ``task_failure`` with
   ``WorkerLostError`` (a hard time limit gives ``TimeLimitExceeded``, fired twice), with the
@@ -19,9 +19,14 @@ import threading
 import time
 from typing import Any
 
+from billiard.exceptions import WorkerLostError
 from celery import signals as celery_signals
+from celery.exceptions import TimeLimitExceeded
 
+from celery_dlock.celery.settings import settings
 from celery_dlock.errors import DLockError
+from celery_dlock.lock import Lock
+from celery_dlock.process import release_all
 from celery_dlock.records import Outcome, Record
 
 __all__ = ["connect", "release_dead_attempt"]
@@ -42,20 +47,11 @@ def connect() -> None:
     with _connect_mutex:
         if _connected.is_set():
             return
-        celery_signals.worker_process_init.connect(_child_started, weak=False)
         celery_signals.task_failure.connect(_task_failed, weak=False)
         celery_signals.task_revoked.connect(_task_revoked, weak=False)
         celery_signals.worker_process_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(_shutting_down, weak=False)
         _connected.set()
-
-
-def _child_started(**_: Any) -> None:
-    """A new pool child: drop the backends inherited from the parent so the child makes
-    its own clients (the parent's copies stay open, and in use, in the parent)."""
-    from celery_dlock.lock import forget_shared_backends
-
-    forget_shared_backends()
 
 
 def _task_failed(
@@ -66,9 +62,6 @@ def _task_failed(
     kwargs: Any = None,
     **_: Any,
 ) -> None:
-    from billiard.exceptions import WorkerLostError
-    from celery.exceptions import TimeLimitExceeded
-
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return
     _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
@@ -97,10 +90,8 @@ def _release_later(  # noqa: PLR0917 - the signal's own fields, passed on
     outcome: Outcome,
     cause: BaseException,
 ) -> None:
-    from celery_dlock.task import LockedTask
-
-    if not isinstance(task, LockedTask) or task_id is None:
-        return
+    if not callable(getattr(task, "lock_key_for", None)) or task_id is None:
+        return  # not a LockedTask
     # Release now when the holder is already gone (WorkerLostError: the child is dead),
     # otherwise from a thread, so the worker's event loop never waits on a dying child.
     attempt = {"args": args, "kwargs": kwargs, "outcome": outcome, "cause": cause}
@@ -130,12 +121,10 @@ def release_dead_attempt(
     """Release the lease of ``task_id``'s attempt if its holder is gone (waiting up to
     ``wait`` seconds for it to go). Returns the record, None, or ``_WAITING`` when the holder
     is still alive and ``wait`` is 0."""
-    from celery_dlock.app import backend_for
-
     try:
         key = task.lock_key_for(tuple(args or ()), dict(kwargs or {}))
-        backend = backend_for(task.app)
-        lease = backend.get(key)
+        lock = Lock(settings(task.app).backend, key)
+        lease = lock.current()
     except DLockError as exc:
         logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc)
         return None
@@ -157,7 +146,7 @@ def release_dead_attempt(
         time.sleep(0.05)
     details = f"{type(cause).__name__}: {cause}; holder {lease.holder.describe()} is gone"
     try:
-        record = backend.release(lease, outcome, type(cause).__name__, details)
+        record = lock.end(lease, outcome, type(cause).__name__, details)
     except DLockError as exc:
         logger.error("cannot release %s of dead %s[%s]: %s", key, task.name, task_id, exc)
         return None
@@ -169,12 +158,4 @@ def release_dead_attempt(
 def _shutting_down(**_: Any) -> None:
     """Warm shutdown: release what this process still holds (leases kept for a retry, or
     a task cut short), each by its own token."""
-    from celery_dlock.task import ACTIVE
-
-    for backend, lease, kept in ACTIVE.drain():
-        outcome = Outcome.RETRIED if kept else Outcome.REVOKED
-        details = "worker shutdown" + (" (lease kept for a retry)" if kept else "")
-        try:
-            backend.release(lease, outcome, "WorkerShutdown", details)
-        except DLockError as exc:
-            logger.error("cannot release %s at shutdown: %s", lease.key, exc)
+    release_all(Outcome.REVOKED, "WorkerShutdown", "worker shutdown", kept=Outcome.RETRIED)

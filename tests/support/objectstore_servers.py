@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from dlock_support import unavailable
 
 from celery_dlock.backends.objectstore import Found, ObjectStore, Written
 from celery_dlock.errors import BackendError
+from tests.support import unavailable
 
 BUCKET = "dlock-tests"
 #: Credentials the S3 test servers accept (they check none).

@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import json
 import logging
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -40,9 +40,11 @@ from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Ignore, Reject, Retry, TaskRevokedError
 
-from celery_dlock.app import settings
-from celery_dlock.backends.base import LockBackend, validate_ttl
+from celery_dlock.backends.base import validate_ttl
+from celery_dlock.celery import signals
+from celery_dlock.celery.settings import settings, warn_if_default_store
 from celery_dlock.errors import (
+    AlreadySucceededError,
     BackendError,
     ConfigurationError,
     LockKeyError,
@@ -50,8 +52,8 @@ from celery_dlock.errors import (
     LockNotAcquiredError,
 )
 from celery_dlock.keys import KeyTemplate
-from celery_dlock.lock import DEFAULT, Lock, shared_backend, validate_wait
-from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception, new_token
+from celery_dlock.lock import DEFAULT, Lock, validate_wait
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["LockedTask"]
 
@@ -67,34 +69,6 @@ RETRY_GRACE = 300.0
 
 _ON_LOCKED = ("retry", "skip", "fail")
 _ON_LOST = ("log", "raise")
-
-
-class _Active:
-    """Leases this process holds or keeps for a retry, released at worker shutdown."""
-
-    def __init__(self, limit: int = 1000) -> None:
-        self.limit = limit
-        self._mutex = threading.Lock()
-        self._leases: OrderedDict[str, tuple[LockBackend, Lease, bool]] = OrderedDict()
-
-    def add(self, backend: LockBackend, lease: Lease, kept: bool = False) -> None:
-        with self._mutex:
-            self._leases[lease.token] = (backend, lease, kept)
-            while len(self._leases) > self.limit:
-                self._leases.popitem(last=False)
-
-    def discard(self, lease: Lease) -> None:
-        with self._mutex:
-            self._leases.pop(lease.token, None)
-
-    def drain(self) -> list[tuple[LockBackend, Lease, bool]]:
-        with self._mutex:
-            items = list(self._leases.values())
-            self._leases.clear()
-            return items
-
-
-ACTIVE = _Active()
 
 
 class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
@@ -119,8 +93,6 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        from celery_dlock import signals
-
         signals.connect()
         run = cls.__dict__.get("run")
         if run is None:  # an abstract base of the user's own, without a body yet
@@ -139,6 +111,50 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         """The lease held for the running request (key, token, fence), or None."""
         lock: Lock | None = getattr(self.request, "dlock_lock", None)
         return None if lock is None else lock.lease
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key for the running request's effect outside any database we reach (a card
+        gateway's ``Idempotency-Key`` header): derived from the task's name and its lock
+        key only, so every duplicate and every retry of one logical operation has the same
+        one, and no argument's value shows in it."""
+        lease = self.lease
+        key = (
+            lease.key
+            if lease is not None
+            else self.lock_key_for(tuple(self.request.args or ()), dict(self.request.kwargs or {}))
+        )
+        digest = hashlib.sha256(f"{self.name}\n{key}".encode("utf-8", "surrogatepass"))
+        return f"dlock-{digest.hexdigest()[:40]}"
+
+    def record_success(self, connection: Any, result: Any) -> None:
+        """Keep this run's success for ``once`` in the caller's own transaction, so that the
+        effect and its memory commit or roll back together (Postgres store; ``connection``
+        is a psycopg/psycopg2 connection or cursor, or a SQLAlchemy Session/Connection, on
+        the lock store's database). Call it inside the transaction that writes the effect,
+        with the value the body will return::
+
+            with ledger.transaction() as cursor:
+                cursor.execute("INSERT INTO charges ...")
+                self.record_success(cursor, result)
+
+        A duplicate whose lease outlived the first run's (a lost lease, a killed child)
+        then finds the success at once, or has its own transaction refused.
+
+        Raises:
+            AlreadySucceededError: a success of this task on this key is kept already: the
+                transaction must roll back (``LockedTask`` then replays the kept result).
+            ConfigurationError: not a ``once`` task's body, or not the Postgres store.
+        """
+        lock: Lock | None = getattr(self.request, "dlock_lock", None)
+        if not self.once:
+            raise ConfigurationError(f"task {self.name}: record_success is for once=True tasks")
+        if lock is None or lock.lease is None:
+            raise ConfigurationError(
+                f"task {self.name}: record_success is called from the body, while it holds "
+                "its lease"
+            )
+        lock.record_success(connection, _stored_result(self.name, result))
 
     def lock_key_for(
         self,
@@ -174,6 +190,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         current = settings(self.app)
+        warn_if_default_store(current)
         key = self.lock_key_for(args, kwargs, current.namespace)
         ttl = current.ttl if self.lock_ttl is DEFAULT else validate_ttl(self.lock_ttl)
         holder = Holder.current(
@@ -181,10 +198,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             task_id=getattr(request, "id", None),
             task_name=self.name,
         )
-        backend = shared_backend(current.backend)
         task_thread = threading.get_ident()
         lock = Lock(
-            backend,
+            current.backend,
             key,
             ttl,
             self.lock_wait,
@@ -192,9 +208,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             on_lost=lambda lease: self._lease_lost(lease, task_thread),
         )
         try:
-            lease = lock.acquire(replace=_header(request, RETRY_HEADER))
+            lock.acquire(replace=_header(request, RETRY_HEADER))
         except LockNotAcquiredError as exc:
-            return self._busy(backend, key, holder, exc)
+            return self._busy(lock, exc)
         except BackendError as exc:
             if current.on_backend_error == "run":
                 logger.warning(
@@ -207,37 +223,30 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 )
                 return self.run(*args, **kwargs)
             return self._requeue(exc, "the lock store failed")
-        ACTIVE.add(backend, lease)
         request.dlock_lock = lock
         try:
-            return self._body(lock, backend, key, args, kwargs)
+            return self._body(lock, args, kwargs)
         finally:
             request.dlock_lock = None
 
-    def _body(
-        self,
-        lock: Lock,
-        backend: LockBackend,
-        key: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
+    def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.once:
-            previous = backend.last_success(key, self.name)
+            previous = lock.last_success(self.name)
             if previous is not None:
-                mine = lock.detach()
-                ACTIVE.discard(mine)
-                details = (
-                    f"once: already succeeded (fence {previous.fence}, task "
-                    f"{previous.lease.holder.task_id}); returning its stored result"
-                )
-                backend.release(mine, Outcome.SKIPPED, "once", details)
-                return _replayed(previous.result)
+                return self._replay(lock, previous)
         try:
             result = self.run(*args, **kwargs)
         except Retry as exc:
-            self._retrying(lock, backend, exc)
+            self._retrying(lock, exc)
             raise
+        except AlreadySucceededError as exc:
+            # record_success found another run's success in the body's own transaction,
+            # which rolled back: this run had no effect, and replays that one.
+            previous = lock.last_success(self.name) if self.once else None
+            if previous is None or exc.key != lock.key:
+                self._finish(lock, Outcome.FAILED, exc)
+                raise
+            return self._replay(lock, previous)
         except LockLostError as exc:
             held = lock.lease
             self._finish(lock, Outcome.FAILED, exc)
@@ -250,11 +259,19 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             raise
         if lock.lost and self.on_lock_lost == "raise":
             gone = lock.detach()
-            ACTIVE.discard(gone)
             raise LockLostError(gone.key, gone.fence, "renew")
         stored = _stored_result(self.name, result) if self.once else None
         self._finish(lock, Outcome.SUCCEEDED, None, stored)
         return result
+
+    def _replay(self, lock: Lock, previous: Record) -> Any:
+        """End this run as ``skipped`` and return the kept result of ``previous``."""
+        details = (
+            f"once: already succeeded (fence {previous.fence}, task "
+            f"{previous.lease.holder.task_id}); returning its stored result"
+        )
+        lock.release(Outcome.SKIPPED, "once", details)
+        return _replayed(previous.result)
 
     def _finish(
         self,
@@ -266,7 +283,6 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         lease = lock.lease
         if lease is None:
             return
-        ACTIVE.discard(lease)
         problem, details = (None, None) if exc is None else describe_exception(exc)
         if isinstance(exc, Reject):
             details = f"requeue={exc.requeue}: {details}"
@@ -278,29 +294,21 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         if record is None and self.on_lock_lost == "raise" and exc is None:
             raise LockLostError(lease.key, lease.fence, "release")
 
-    def _retrying(self, lock: Lock, backend: LockBackend, exc: Retry) -> None:
+    def _retrying(self, lock: Lock, exc: Retry) -> None:
         """The body called ``self.retry()``: keep the lease for the next attempt (which
         takes it over by token) or release it as ``retried``."""
-        lease = lock.lease
-        if lease is None:
+        if lock.lease is None:
             return
         if not (self.lock_across_retries and getattr(self.request, "dlock_keep", False)):
             self._finish(lock, Outcome.RETRIED, exc)
             return
-        lease = lock.detach()
         when = exc.when
         countdown = when if isinstance(when, (int, float)) else self.default_retry_delay or 0
         if hasattr(when, "timestamp"):
             countdown = max(0.0, when.timestamp() - time.time())
         # Cover the wait for the retry with a backstop TTL, even on stores whose liveness is
         # a session: if the retry never comes, the key frees itself.
-        try:
-            kept = backend.renew(lease, float(countdown) + RETRY_GRACE)
-        except BackendError:
-            logger.exception("could not extend %s for its retry", lease.key)
-            kept = lease
-        if kept is not None:
-            ACTIVE.add(backend, kept, kept=True)
+        lock.keep(float(countdown) + RETRY_GRACE)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry()``; with ``lock_across_retries`` the next attempt gets the
@@ -316,30 +324,27 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     # -- a busy key ------------------------------------------------------------------------
 
-    def _busy(
-        self, backend: LockBackend, key: str, holder: Holder, exc: LockNotAcquiredError
-    ) -> Any:
+    def _busy(self, lock: Lock, exc: LockNotAcquiredError) -> Any:
         policy = self.on_locked
-        current = _current_lease(backend, key)
+        current = _current_lease(lock)
         if callable(policy):
-            return policy(key, current)
+            return policy(lock.key, current)
         if policy == "skip":
             blocker = (
                 f"held by {current.holder.describe()} (fence {current.fence})"
                 if current is not None
                 else "held"
             )
-            now = time.time()
-            skipped = Lease(key, new_token(), 0, holder, now)
-            backend.add_record(Record(skipped, now, Outcome.SKIPPED, "locked", blocker))
-            logger.info("%s[%s] skipped: %s %s", self.name, holder.task_id, key, blocker)
+            lock.record_skip("locked", blocker)
+            task_id = None if lock.holder is None else lock.holder.task_id
+            logger.info("%s[%s] skipped: %s %s", self.name, task_id, lock.key, blocker)
             return None
         if policy == "fail" or self._not_queued():
             raise exc
         attempt = int(_header(self.request, BUSY_HEADER) or 0)
         if self.lock_retry_max is not None and attempt >= self.lock_retry_max:
             raise exc
-        return self._requeue(exc, f"{key} is busy", attempt)
+        return self._requeue(exc, f"{lock.key} is busy", attempt)
 
     def _not_queued(self) -> bool:
         """Eager runs and direct calls have no queue to go back to."""
@@ -411,9 +416,9 @@ def _header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
-def _current_lease(backend: LockBackend, key: str) -> Lease | None:
+def _current_lease(lock: Lock) -> Lease | None:
     try:
-        return backend.get(key)
+        return lock.current()
     except BackendError:
         return None
 

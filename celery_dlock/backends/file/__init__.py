@@ -1,0 +1,377 @@
+"""Locks in a local directory: the default when no backend is configured.
+
+URL
+    ``file:///var/lib/dlock`` (an absolute path; created with mode 0700 if missing).
+
+Options
+    ``fsync`` (bool, default false): fsync each history record before the release returns.
+    ``gc_after`` (seconds, default 86400): ``reap()`` deletes the files of keys free for that
+    long, keeping their fences in ``fence-floor`` so fences still only increase.
+    ``FileBackend(..., clock=...)`` takes the clock that judges ``ttl`` expiry (tests).
+
+Layout
+    ``locks/<name>``: one file per key, its state as JSON ``{"key", "fence", "lease"}``.
+    Every change happens under an exclusive ``flock`` on that file and is one ``pwrite``
+    of less than a page at offset 0, padded with spaces, so a killed writer leaves the old
+    state or the new one, never a torn one. ``<name>`` is the key percent-encoded (only
+    ``A-Z a-z 0-9 _ : -`` stay), so ``/``, ``..`` and ``%`` cannot escape or collide; a
+    name over 200 bytes keeps a prefix and adds the key's SHA-256.
+    ``history/<YYYY-MM-DD>.jsonl``: records, one JSON line each, appended by release day
+    (UTC); pruning deletes whole days.
+    ``success/<name>``: the last success of each (key, task name), for ``once``.
+
+Guarantees
+    crash: a holder killed on this host is provably gone once its pid is free or belongs
+    to a process with another start time (``/proc``); the next acquire takes the key over
+    and records ``disconnected``. A holder on another host, or in another pid namespace,
+    is never judged gone: only its ``ttl`` (if it set one) frees the key. Never by file age.
+    clock skew: ``ttl`` expiry uses this host's clock; processes of one host share it.
+    partition: not for network filesystems; locks are not shared across hosts.
+    durability: state and history survive process crashes; after a power loss the last
+    writes may be missing unless ``fsync`` is on (history only; lock state dies with its
+    holders anyway).
+    wait: woken by the kernel (inotify on the key's file, pidfd on the holder's process).
+
+Install
+    nothing: Linux (or any POSIX with ``/proc`` and ``flock``); no driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import select
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+from urllib.parse import unquote, urlsplit
+
+from celery_dlock.backends.base import (
+    Capabilities,
+    Clock,
+    LockBackend,
+    ProcessLocal,
+    expired,
+    expiry,
+    flag,
+    remembered,
+    retried,
+    success_task,
+    url_options,
+    validate_ttl,
+    wall_clock,
+)
+from celery_dlock.backends.file import history
+from celery_dlock.backends.file.history import DAY, Segment
+from celery_dlock.backends.file.state import PAGE, Local, Locked, State, raise_floor, read_floor
+from celery_dlock.backends.file.wakeups import Inotify, watch_holder
+from celery_dlock.backends.naming import file_name
+from celery_dlock.errors import BackendError, ConfigurationError
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+
+__all__ = ["FileBackend"]
+
+
+class FileBackend(LockBackend):
+    """Locks as files in one local directory; liveness is the holder's process."""
+
+    name = "file"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        liveness="process",
+        push_wait=True,
+        cross_process=True,
+        cross_host=False,
+        durable_history=True,
+        server_clock=False,
+    )
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        fsync: bool = False,
+        gc_after: float = DAY,
+        clock: Clock | None = None,
+    ) -> None:
+        if not os.path.isabs(directory):
+            raise ConfigurationError(
+                f"the file backend needs an absolute directory, got {directory!r} "
+                "(a URL looks like file:///var/lib/dlock)"
+            )
+        self.directory = os.path.normpath(directory)
+        self.url = f"file://{self.directory}"
+        self.fsync = fsync
+        self.gc_after = float(gc_after)
+        self._clock: Clock = clock or wall_clock
+        self._locks_dir = os.path.join(self.directory, "locks")
+        self._history_dir = os.path.join(self.directory, "history")
+        self._success_dir = os.path.join(self.directory, "success")
+        self._floor_path = os.path.join(self.directory, "fence-floor")
+        self._read_floor = functools.partial(read_floor, self._floor_path)
+        for path in (self.directory, self._locks_dir, self._history_dir, self._success_dir):
+            _make_private_dir(path)
+        self._made: Local | None = None
+        self._local: ProcessLocal[Local] = ProcessLocal(self._new_local)
+
+    def _new_local(self) -> Local:
+        """This process's open files; in a forked child, first close the parent's copies."""
+        made = self._made
+        if made is not None and made.pid != os.getpid():
+            made.close_inherited()
+        segment = Segment(self._history_dir, self.fsync, self.url)
+        self._made = Local(self._locks_dir, self.url, segment)
+        return self._made
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> FileBackend:
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigurationError(
+                f"file backend URL {url!r} has a host part {parts.netloc!r}: use three "
+                "slashes and an absolute path, file:///var/lib/dlock"
+            )
+        path = unquote(parts.path)
+        if not path or path == "/":
+            raise ConfigurationError(f"file backend URL {url!r} names no directory")
+        clock = options.pop("clock", None)
+        known: dict[str, Callable[[str], Any]] = {"fsync": flag, "gc_after": float}
+        return cls(path, clock=clock, **url_options("file", parts.query, known, options))
+
+    def _locked(self, key: str, operation: int = fcntl.LOCK_EX) -> Locked:
+        """``with self._locked(key) as state``: the state of ``key`` under a flock of
+        ``operation``; changes go through ``state.write`` inside the block."""
+        return Locked(self._local.get(), key, operation, self._read_floor)
+
+    def _append(self, record: Record, segment: Segment, lease_json: str | None = None) -> None:
+        """Append ``record`` to the history through ``segment`` (``state.segment`` under a
+        key's flock), and keep it as its key's last success if it is one (``once``)."""
+        segment.append(record, lease_json)
+        task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
+        if task_name is not None:
+            self._write_success(record, task_name)
+
+    def _write_success(self, record: Record, task_name: str, *, first: bool = False) -> bool:
+        path = history.success_path(self._success_dir, record.key, task_name)
+        return history.write_success(path, record, fsync=self.fsync, first=first)
+
+    def try_acquire(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+    ) -> Lease | None:
+        ttl = validate_ttl(ttl)
+        with self._locked(key) as state:
+            now = self._clock()
+            current = state.lease
+            if current is not None:
+                if replace is not None and current.token == replace:
+                    ended: Record | None = retried(current, holder, now)
+                else:
+                    ended = _ended(current, now)
+                if ended is None:
+                    return None
+                self._append(ended, state.segment, state.lease_json)
+            lease = Lease(key, new_token(), state.fence + 1, holder, now, expiry(now, ttl))
+            state.write(lease.fence, lease)
+            return lease
+
+    def release(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None = None,
+        details: str | None = None,
+        result: Any = None,
+    ) -> Record | None:
+        with self._locked(lease.key) as state:
+            current, now = self._ours(state, lease)
+            if current is None:
+                return None
+            record = Record(current, now, Outcome(outcome), problem, details, result)
+            self._append(record, state.segment, state.lease_json)
+            state.write(state.fence, None)
+            return record
+
+    def _ours(self, state: State, lease: Lease) -> tuple[Lease | None, float]:
+        """The stored lease if it is ``lease`` and alive, and the time judged by; an expired
+        one is cleared and recorded as ``expired`` (the caller holds the key's lock)."""
+        current = state.lease
+        now = self._clock()
+        if current is None or current.token != lease.token:
+            return None, now
+        if expired(current, now):
+            self._append(Record(current, now, Outcome.EXPIRED, "expired"), state.segment)
+            state.write(state.fence, None)
+            return None, now
+        return current, now
+
+    def add_record(self, record: Record) -> None:
+        self._append(record, self._local.get().segment)
+
+    def remember(self, record: Record) -> bool:
+        task_name = success_task(record)
+        try:
+            return self._write_success(record, task_name, first=True)
+        except OSError as exc:
+            raise BackendError(f"cannot keep the success of {record.key}: {exc}", self.url) from exc
+
+    def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
+        ttl = validate_ttl(ttl)
+        with self._locked(lease.key) as state:
+            current, now = self._ours(state, lease)
+            if current is None:
+                return None
+            renewed = Lease(
+                current.key,
+                current.token,
+                current.fence,
+                current.holder,
+                current.acquired_at,
+                expiry(now, ttl),
+            )
+            state.write(state.fence, renewed)
+            return renewed
+
+    def get(self, key: str) -> Lease | None:
+        with self._locked(key, fcntl.LOCK_SH) as state:
+            return state.lease
+
+    def _keys(self) -> Iterator[str]:
+        """Keys of every state file (the key is read from long, hashed names)."""
+        for name in os.listdir(self._locks_dir):
+            if "~" not in name:
+                yield unquote(name)
+                continue
+            try:
+                with open(os.path.join(self._locks_dir, name), "rb") as f:
+                    key = str(json.loads(f.read(PAGE))["key"])
+            except (FileNotFoundError, ValueError, KeyError):
+                continue  # deleted by reap(), or an empty file not yet written
+            yield key
+
+    def leases(self, prefix: str = "") -> list[Lease]:
+        found = []
+        for key in sorted(self._keys()):
+            if key.startswith(prefix):
+                lease = self.get(key)
+                if lease is not None:
+                    found.append(lease)
+        return found
+
+    def history(
+        self,
+        key: str | None = None,
+        outcome: Outcome | None = None,
+        since: float | None = None,
+        limit: int | None = 100,
+    ) -> list[Record]:
+        first_day = None if since is None else time.strftime("%Y-%m-%d", time.gmtime(since))
+        found: list[Record] = []
+        for segment in history.segments(self._history_dir):
+            if first_day is not None and segment[:10] < first_day:
+                break
+            for record in reversed(history.read_segment(self._history_dir, segment)):
+                if since is not None and record.released_at < since:
+                    continue
+                if key is not None and record.key != key:
+                    continue
+                if outcome is not None and record.outcome != outcome:
+                    continue
+                found.append(record)
+            if limit is not None and len(found) >= limit:
+                break
+        found.sort(key=lambda record: record.released_at, reverse=True)
+        return found if limit is None else found[:limit]
+
+    def last_success(self, key: str, task_name: str) -> Record | None:
+        return history.read_success(history.success_path(self._success_dir, key, task_name))
+
+    def reap(self, limit: int = 100) -> list[Record]:
+        reaped: list[Record] = []
+        for key in self._keys():
+            if len(reaped) >= limit:
+                break
+            with self._locked(key) as state:
+                current = state.lease
+                now = self._clock()
+                if current is None:
+                    self._collect(state, now)
+                    continue
+                ended = _ended(current, now)
+                if ended is not None:
+                    self._append(ended, state.segment)
+                    state.write(state.fence, None)
+                    reaped.append(ended)
+        return reaped
+
+    def _collect(self, state: State, now: float) -> None:
+        """Delete the free state file of a key unused for ``gc_after`` seconds, raising
+        ``fence-floor`` to its fence first so a new file for the key continues above it."""
+        if now - os.fstat(state.fd).st_mtime < self.gc_after:
+            return
+        raise_floor(self._floor_path, state.fence)
+        os.unlink(os.path.join(self._locks_dir, file_name(state.key)))
+
+    def force_release(self, key: str, reason: str) -> Record | None:
+        with self._locked(key) as state:
+            current = state.lease
+            if current is None:
+                return None
+            record = Record(current, self._clock(), Outcome.FORCED, "forced", reason)
+            self._append(record, state.segment)
+            state.write(state.fence, None)
+            return record
+
+    def prune_history(self, before: float) -> int:
+        return history.prune(self._history_dir, before)
+
+    def wait(self, key: str, timeout: float) -> None:
+        """Sleep until ``key``'s file changes or its holder's process exits, at most
+        ``timeout`` seconds. The watch is armed before the state is read, so a release
+        between the two is not missed."""
+        path = os.path.join(self._locks_dir, file_name(key))
+        watch = Inotify.watch(path)
+        waits: list[int] = [] if watch is None else [watch]
+        try:
+            lease = self.get(key)
+            if lease is None or _ended(lease, self._clock()) is not None:
+                return
+            if lease.expires_at is not None:
+                timeout = max(0.0, min(timeout, lease.expires_at - self._clock()))
+            process = watch_holder(lease.holder)
+            if process is not None:
+                waits.append(process)
+            if not waits:
+                time.sleep(timeout)
+                return
+            with contextlib.suppress(InterruptedError):
+                select.select(waits, [], [], timeout)
+        finally:
+            for fd in waits:
+                os.close(fd)
+
+    def close(self) -> None:
+        self._local.get().close()
+
+
+def _ended(lease: Lease, now: float) -> Record | None:
+    """The record that ends ``lease`` if its holder is gone or its time ran out, else None."""
+    if lease.holder.is_gone():
+        details = f"holder {lease.holder.describe()} is gone"
+        return Record(lease, now, Outcome.DISCONNECTED, "disconnected", details)
+    if expired(lease, now):
+        return Record(lease, now, Outcome.EXPIRED, "expired")
+    return None
+
+
+def _make_private_dir(path: str) -> None:
+    try:
+        os.makedirs(path, 0o700)
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise ConfigurationError(f"{path} exists and is not a directory") from None
+        return
+    except OSError as exc:
+        raise ConfigurationError(f"cannot create lock directory {path}: {exc}") from exc
+    os.chmod(path, 0o700)

@@ -1,0 +1,155 @@
+"""History of the file backend: records as JSON lines in one segment per day (UTC), and
+the last success of each (key, task name) for ``once``."""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import json
+import os
+import threading
+import time
+
+from celery_dlock.backends.naming import file_name
+from celery_dlock.errors import BackendError
+from celery_dlock.records import Record
+
+DAY = 86400.0
+encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+class Segment:
+    """This process's open history segment (the file of the day it last appended to)."""
+
+    __slots__ = ("day", "directory", "fd", "fsync", "mutex", "url")
+
+    def __init__(self, directory: str, fsync: bool, url: str) -> None:
+        self.directory = directory
+        self.fsync = fsync
+        self.url = url
+        self.mutex = threading.Lock()
+        self.day = -1
+        self.fd = -1
+
+    def append(self, record: Record, lease_json: str | None = None) -> None:
+        """Append ``record`` to its day's segment: one ``write`` of one line, which
+        ``O_APPEND`` keeps whole and in order among processes."""
+        day = int(record.released_at // DAY)
+        data = record_line(record, lease_json)
+        try:
+            with self.mutex:
+                if self.day != day:
+                    self._close()
+                    name = time.strftime("%Y-%m-%d.jsonl", time.gmtime(day * DAY))
+                    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                    self.fd = os.open(os.path.join(self.directory, name), flags, 0o600)
+                    self.day = day
+                os.write(self.fd, data)
+                if self.fsync:
+                    os.fsync(self.fd)
+        except OSError as exc:
+            raise BackendError(f"cannot append to the history: {exc}", self.url) from exc
+
+    def close(self) -> None:
+        with self.mutex:
+            self._close()
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd, self.day = self.fd, -1, -1
+            os.close(fd)
+
+
+def record_line(record: Record, lease_json: str | None) -> bytes:
+    """``record`` as one JSON line (the form of ``Record.to_dict``), reusing the lease's
+    JSON when the state file already had it encoded."""
+    if lease_json is None:
+        lease_json = encode(record.lease.to_dict())
+    problem = "null" if record.problem is None else encode(record.problem)
+    details = "null" if record.details is None else encode(record.details)
+    result = "null" if record.result is None else encode(record.result)
+    text = (
+        f'{{"lease":{lease_json},"released_at":{record.released_at!r},'
+        f'"outcome":"{record.outcome.value}","problem":{problem},"details":{details},'
+        f'"result":{result}}}\n'
+    )
+    return text.encode("utf-8", "surrogatepass")
+
+
+def segments(directory: str) -> list[str]:
+    """The names of the history segments in ``directory``, newest day first."""
+    names = [n for n in os.listdir(directory) if n.endswith(".jsonl")]
+    return sorted(names, reverse=True)
+
+
+def read_segment(directory: str, segment: str) -> list[Record]:
+    """The records of one segment, oldest first."""
+    try:
+        with open(os.path.join(directory, segment), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in data.split(b"\n"):
+        # The last line may be a record whose append is still under way: skip it.
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            records.append(Record.from_dict(json.loads(line)))
+    return records
+
+
+def prune(directory: str, before: float) -> int:
+    """Delete the segments of days that ended by ``before``; returns how many records went."""
+    pruned = 0
+    for segment in segments(directory):
+        day_end = _day_start(segment[:10]) + DAY
+        if day_end > before:
+            continue
+        path = os.path.join(directory, segment)
+        with contextlib.suppress(FileNotFoundError):
+            with open(path, "rb") as f:
+                pruned += f.read().count(b"\n")
+            os.unlink(path)
+    return pruned
+
+
+def _day_start(day: str) -> float:
+    return float(calendar.timegm(time.strptime(day, "%Y-%m-%d")))
+
+
+def success_path(directory: str, key: str, task_name: str) -> str:
+    """The file that holds the last success of ``task_name`` on ``key``."""
+    return os.path.join(directory, file_name(f"{key}\0{task_name}"))
+
+
+def write_success(path: str, record: Record, *, fsync: bool, first: bool = False) -> bool:
+    """Write ``record`` to the success file ``path``, whole or not at all; with ``first``,
+    only if there is none yet (``link`` refuses an existing name). Returns whether it
+    was written."""
+    temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    data = json.dumps(record.to_dict(), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        if fsync or first:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if not first:
+        os.replace(temporary, path)
+        return True
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(temporary)
+    return True
+
+
+def read_success(path: str) -> Record | None:
+    """The record in the success file ``path``, or None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            return Record.from_dict(json.loads(f.read()))
+    except FileNotFoundError:
+        return None

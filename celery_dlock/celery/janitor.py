@@ -1,0 +1,58 @@
+"""The janitor as a Celery task on the beat schedule: ``register(app)`` adds the
+``celery_dlock.janitor`` task, which runs :func:`celery_dlock.reap.reap` with the app's
+settings, and its beat entry every ``dlock_janitor_interval`` seconds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery import signals as celery_signals
+
+from celery_dlock.celery.settings import backend_for, forget_settings, settings
+from celery_dlock.reap import JANITOR_TASK, reap
+
+__all__ = ["register"]
+
+
+def register(app: Celery) -> Any:
+    """Add the janitor task to ``app`` and its beat entry, whatever the order of
+    configuration; returns the task."""
+    existing = getattr(app, "_dlock_janitor", None)
+    if existing is not None:
+        return existing
+
+    @app.task(name=JANITOR_TASK, ignore_result=False, shared=False)  # type: ignore[untyped-decorator]
+    def janitor() -> dict[str, int]:
+        """Reap leases whose holder is gone and prune history past retention."""
+        current = settings(app)
+        return reap(
+            backend_for(app), namespace=current.namespace, retention=current.history_retention
+        )
+
+    def add_entry(sender: Any = None, **_: Any) -> None:
+        target = sender if sender is not None else app
+        if target is not app:
+            return
+        forget_settings(app)  # a (re)configuration: read the settings anew
+        interval = settings(app).janitor_interval
+        app.add_periodic_task(interval, janitor.s(), name=JANITOR_TASK)
+
+    # on_after_configure fires once per (re)configuration; an app already configured gets the
+    # entry now. Both are needed: see the Celery 5.7 notes on configuration order.
+    app.on_after_configure.connect(add_entry, weak=False)
+    if app.configured:
+        add_entry(app)
+
+    def ensure_entry(sender: Any = None, **_: Any) -> None:
+        # A beat_schedule dict assigned after install replaces ours: put it back.
+        scheduler = getattr(sender, "scheduler", None)
+        if scheduler is None or getattr(sender, "app", None) is not app:
+            return
+        if JANITOR_TASK not in scheduler.schedule:
+            interval = settings(app).janitor_interval
+            scheduler.update_from_dict({JANITOR_TASK: {"task": JANITOR_TASK, "schedule": interval}})
+
+    celery_signals.beat_init.connect(ensure_entry, weak=False)
+    app._dlock_janitor = janitor
+    return janitor

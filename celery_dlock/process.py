@@ -1,0 +1,101 @@
+"""What this process has: one backend per URL (:func:`shared_backend`), and the leases it
+holds (the one registry of them; :func:`release_all` releases them all).
+
+Both are per process: a forked child (a Celery pool child) makes its own backends and
+clients, and starts holding nothing, while the parent's stay open, and in use, in the
+parent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+from celery_dlock.backends import backend_from_url
+from celery_dlock.backends.base import LockBackend, ProcessLocal
+from celery_dlock.errors import DLockError
+from celery_dlock.records import Lease, Outcome, Record
+
+__all__ = ["held", "release_all", "shared_backend"]
+
+logger = logging.getLogger("celery_dlock")
+
+_shared: ProcessLocal[dict[str, LockBackend]] = ProcessLocal(dict)
+_shared_mutex = threading.Lock()
+
+
+def shared_backend(url: str) -> LockBackend:
+    """The backend for ``url``, made once per process and reused (clients are costly)."""
+    backends = _shared.get()
+    backend = backends.get(url)
+    if backend is None:
+        with _shared_mutex:
+            backend = backends.get(url)
+            if backend is None:
+                backend = backends[url] = backend_from_url(url)
+    return backend
+
+
+class _Held:
+    """The leases this process holds, or keeps alive for a later acquisition (a Celery
+    task's lease kept for its retry): the one registry, so that they can all be released
+    when the process stops (:func:`release_all`). Bounded: the oldest entries are dropped
+    past ``limit`` (a leak of leases never released must not grow without end)."""
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self._mutex = threading.Lock()
+        self._leases: OrderedDict[str, tuple[LockBackend, Lease, bool]] = OrderedDict()
+
+    def add(self, backend: LockBackend, lease: Lease, kept: bool = False) -> None:
+        with self._mutex:
+            self._leases[lease.token] = (backend, lease, kept)
+            while len(self._leases) > self.limit:
+                self._leases.popitem(last=False)
+
+    def discard(self, token: str) -> None:
+        with self._mutex:
+            self._leases.pop(token, None)
+
+    def drain(self) -> list[tuple[LockBackend, Lease, bool]]:
+        with self._mutex:
+            items = list(self._leases.values())
+            self._leases.clear()
+            return items
+
+
+_held_here: ProcessLocal[_Held] = ProcessLocal(_Held)
+
+
+def held() -> _Held:
+    """The leases held by this process; a forked child starts with none of its parent's."""
+    return _held_here.get()
+
+
+def release_all(
+    outcome: Outcome,
+    problem: str | None = None,
+    details: str | None = None,
+    *,
+    kept: Outcome | None = None,
+) -> list[Record]:
+    """Release every lease this process holds, each by its own token, recorded as
+    ``outcome`` (a lease kept alive for a later acquisition as ``kept``, by default the
+    same). Failures are logged, not raised: this runs as the process stops.
+
+    Returns:
+        the records written.
+    """
+    records = []
+    for backend, lease, was_kept in held().drain():
+        ending = (kept or outcome) if was_kept else outcome
+        note = f"{details or ''} (kept for a later acquisition)".strip() if was_kept else details
+        try:
+            record = backend.release(lease, ending, problem, note)
+        except DLockError as exc:
+            logger.error("cannot release %s: %s", lease.key, exc)
+            continue
+        if record is not None:
+            records.append(record)
+    return records

@@ -1,0 +1,1 @@
+"""celery-dlock's tests."""

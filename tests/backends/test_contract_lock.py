@@ -1,0 +1,73 @@
+"""The contract through the public :class:`Lock`, on every store: a limited ``wait`` takes a
+key freed within it and times out no earlier than it; and a release by a holder whose lease
+another client ended (an operator's forced release) never frees that client's new lease,
+even where the first client's cache of what it wrote is stale."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from celery_dlock import Lease, Lock, LockTimeoutError, Outcome
+from tests.backends.storecase import StoreCase
+from tests.backends.test_contract import holder
+
+WAIT = 1.0
+
+
+def test_a_key_freed_within_wait_is_taken(store: StoreCase) -> None:
+    backend = store.backend
+    first = backend.try_acquire("job:wait:freed", holder(), None)
+    assert first is not None
+    taken: list[Lease] = []
+    waiter = Lock(store.second(), "job:wait:freed", wait=30.0)
+    thread = threading.Thread(target=lambda: taken.append(waiter.acquire()), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert taken == []  # still waiting while the key is held
+    backend.release(first, Outcome.SUCCEEDED)
+    thread.join(timeout=30)
+    [lease] = taken
+    assert lease.fence > first.fence
+    current = backend.get("job:wait:freed")
+    assert current is not None and current.token == lease.token
+    waiter.release()
+
+
+def test_a_limited_wait_times_out_no_earlier_than_its_wait(store: StoreCase) -> None:
+    held = store.backend.try_acquire("job:wait:held", holder(), None)
+    assert held is not None
+    waiter = Lock(store.second(), "job:wait:held", wait=WAIT)
+    started = time.monotonic()
+    with pytest.raises(LockTimeoutError) as info:
+        waiter.acquire()
+    assert time.monotonic() - started >= WAIT
+    assert info.value.wait == WAIT and info.value.key == "job:wait:held"
+    current = store.backend.get("job:wait:held")
+    assert current is not None and current.token == held.token
+
+
+def test_a_stale_release_from_another_client_never_frees_the_new_holder(
+    store: StoreCase,
+) -> None:
+    """A holds through client 1; an operator on client 2 ends A's lease (forced) and takes
+    the key; A then releases through client 1, which last wrote the key itself."""
+    mine = Lock(store.backend, "job:stale:two", holder=holder())
+    stale = mine.acquire()
+    operator = store.second()
+    shown = operator.get("job:stale:two")
+    assert shown is not None and shown.token == stale.token
+    assert operator.release(shown, Outcome.FORCED, "forced", "by the operator") is not None
+    taken = operator.try_acquire("job:stale:two", holder(), None)
+    assert taken is not None
+
+    assert mine.release(Outcome.SUCCEEDED) is None
+
+    current = operator.get("job:stale:two")
+    assert current is not None and current.token == taken.token
+    assert store.backend.get("job:stale:two") == current
+    assert operator.try_acquire("job:stale:two", holder(), None) is None  # still held
+    outcomes = [r.outcome for r in operator.history(key="job:stale:two")]
+    assert outcomes == [Outcome.LOST, Outcome.FORCED]

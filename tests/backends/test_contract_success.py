@@ -1,0 +1,122 @@
+"""The contract of a success that ``once`` must not forget (DESIGN §5): ``remember`` keeps the
+first success and never overwrites one, and ``Lock.release`` of a lease lost meanwhile
+keeps its success and records the release as ``lost``, for every store."""
+
+from __future__ import annotations
+
+import pytest
+
+from celery_dlock import Lock, Outcome, Record
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.errors import ConfigurationError
+from tests.backends.storecase import StoreCase
+from tests.backends.test_contract import expire, holder, short_ttl
+from tests.support import eventually
+
+TASK = "tasks.charge"
+
+
+def success_of(backend: LockBackend, key: str, result: object) -> Record:
+    """A success record of a lease taken and released as failed (so none is kept yet)."""
+    lease = backend.try_acquire(key, holder(TASK), None)
+    assert lease is not None
+    ended = backend.release(lease, Outcome.FAILED)
+    assert ended is not None
+    return Record(lease, ended.released_at, Outcome.SUCCEEDED, None, None, result)
+
+
+def test_remember_keeps_the_first_success_and_never_overwrites_it(backend: LockBackend) -> None:
+    first = success_of(backend, "job:first", {"value": "first"})
+    second = success_of(backend, "job:first", {"value": "second"})
+
+    assert backend.remember(first) is True
+    assert backend.remember(second) is False
+    kept = backend.last_success("job:first", TASK)
+    assert kept is not None and kept.lease.token == first.lease.token
+    assert kept.result == {"value": "first"}
+    assert backend.remember(first) is False  # again: still kept, once
+
+
+def test_remember_leaves_the_history_alone(backend: LockBackend) -> None:
+    success = success_of(backend, "job:quiet", {"value": 1})
+    before = backend.history(key="job:quiet")
+    backend.remember(success)
+    assert backend.history(key="job:quiet") == before
+
+
+def test_remember_refuses_what_is_not_a_success_with_a_result(backend: LockBackend) -> None:
+    success = success_of(backend, "job:odd", None)
+    with pytest.raises(ConfigurationError, match="only a succeeded record with a result"):
+        backend.remember(success)
+    assert backend.last_success("job:odd", TASK) is None
+
+
+def lose(store: StoreCase, key: str) -> tuple[Lock, LockBackend]:
+    """A Lock of ``TASK`` on ``key`` whose lease expired and was taken by a second client;
+    returns the Lock (still thinking it holds) and that client (the new holder)."""
+    backend = store.backend
+    mine = Lock(backend, key, short_ttl(store), holder=holder(TASK), renew=False)
+    lease = mine.acquire()
+    expire(store, lease)
+    other = store.second()
+    # A new client knows the server's clock only to the second of an HTTP Date header at
+    # first, so it may need up to that long more to be sure the lease has expired.
+    taken = eventually(
+        lambda: other.try_acquire(key, holder(TASK), None), f"a second client takes {key}", 10
+    )
+    assert taken.fence > lease.fence
+    return mine, other
+
+
+def test_a_lost_lease_keeps_its_success_and_is_recorded_lost(store: StoreCase) -> None:
+    backend = store.backend
+    mine, other = lose(store, "job:lost:ok")
+    lease = mine.lease
+    assert lease is not None
+
+    assert mine.release(Outcome.SUCCEEDED, result={"value": "charged"}) is None
+
+    kept = backend.last_success("job:lost:ok", TASK)
+    assert kept is not None and kept.lease.token == lease.token
+    assert kept.result == {"value": "charged"} and kept.outcome is Outcome.SUCCEEDED
+    [lost] = backend.history(key="job:lost:ok", outcome=Outcome.LOST)
+    assert lost.lease.token == lease.token and lost.problem == "lost"
+    assert lost.details is not None
+    assert lost.details.startswith("succeeded not recorded: the lease was lost")
+    assert "kept for once" in lost.details
+    current = other.get("job:lost:ok")  # the new holder is untouched
+    assert current is not None and current.token != lease.token
+
+
+def test_a_lost_success_never_replaces_the_success_kept_before_it(store: StoreCase) -> None:
+    backend = store.backend
+    mine, other = lose(store, "job:lost:late")
+    taken = other.get("job:lost:late")
+    assert taken is not None
+    winner = other.release(taken, Outcome.SUCCEEDED, result={"value": "winner"})
+    assert winner is not None
+
+    assert mine.release(Outcome.SUCCEEDED, result={"value": "late"}) is None
+
+    kept = backend.last_success("job:lost:late", TASK)
+    assert kept is not None and kept.lease.token == taken.token
+    assert kept.result == {"value": "winner"}
+    [lost] = backend.history(key="job:lost:late", outcome=Outcome.LOST)
+    assert lost.details is not None and "stays (first wins)" in lost.details
+
+
+def test_a_lost_failure_is_recorded_lost_with_what_it_could_not_record(store: StoreCase) -> None:
+    backend = store.backend
+    mine, _ = lose(store, "job:lost:bad")
+    lease = mine.lease
+    assert lease is not None
+
+    assert mine.release(Outcome.FAILED, "CardDeclined", "card ending 0002 declined") is None
+
+    [lost] = backend.history(key="job:lost:bad", outcome=Outcome.LOST)
+    assert lost.lease.token == lease.token
+    assert lost.details == (
+        "failed not recorded: the lease was lost before its release\n"
+        "CardDeclined\ncard ending 0002 declined"
+    )
+    assert backend.last_success("job:lost:bad", TASK) is None
