@@ -18,7 +18,7 @@ from typing import Any, Final, Literal
 
 from celery_dlock import releasing
 from celery_dlock.backends import mask_url
-from celery_dlock.backends.base import LockBackend, remembered, validate_ttl
+from celery_dlock.backends.base import LockBackend, Place, remembered, validate_ttl
 from celery_dlock.errors import (
     BackendError,
     ConfigurationError,
@@ -150,18 +150,25 @@ class Lock:
         limit = self.wait if wait is DEFAULT else validate_wait(wait)
         deadline = None if limit is None else time.monotonic() + limit
         holder = self.holder or Holder.current()
-        while True:
-            lease = self.backend.try_acquire(self.key, holder, self.ttl, replace)
-            if lease is not None:
-                if replace is not None:
-                    held().discard(replace)  # taken over: kept no longer
-                self._held(lease)
-                return lease
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise self._busy(limit)
-            pause = POLL * random.uniform(0.5, 1.0)
-            self.backend.wait(self.key, pause if remaining is None else min(pause, remaining))
+        place: Place | None = None  # in the store's queue of the key's waiters, if it has one
+        try:
+            while True:
+                lease = self.backend.try_acquire(self.key, holder, self.ttl, replace, place)
+                if lease is not None:
+                    place = None  # used up
+                    if replace is not None:
+                        held().discard(replace)  # taken over: kept no longer
+                    self._held(lease)
+                    return lease
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise self._busy(limit)
+                pause = POLL * random.uniform(0.5, 1.0)
+                pause = pause if remaining is None else min(pause, remaining)
+                place = self.backend.wait(self.key, pause, place)
+        finally:
+            if place is not None:
+                place.leave()
 
     def _busy(self, waited: float | None) -> LockNotAcquiredError:
         current = self.backend.get(self.key)

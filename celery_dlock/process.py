@@ -13,7 +13,8 @@ import threading
 from collections import OrderedDict
 
 from celery_dlock.backends import backend_from_url
-from celery_dlock.backends.base import LockBackend, ProcessLocal
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.errors import DLockError
 from celery_dlock.records import Lease, Outcome, Record
 

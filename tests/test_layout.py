@@ -50,3 +50,20 @@ def test_imports_inside_functions_are_for_optional_drivers_only() -> None:
                     if not f"{name}.".startswith(OPTIONAL)
                 ]
     assert late == []
+
+
+#: Past this many lines a module holds more than one concern (the architecture's "about 400").
+MODULE_LINES = 480
+#: What a module that is a table (statements, scripts) says in its first docstring line.
+TABLE = ("Every statement", "The Lua scripts")
+
+
+def test_no_module_is_past_its_bound_unless_it_is_a_table() -> None:
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        docstring = ast.get_docstring(ast.parse(text)) or ""
+        if lines > MODULE_LINES and not docstring.startswith(TABLE):
+            long.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
+    assert long == []

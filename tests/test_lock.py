@@ -21,7 +21,7 @@ from celery_dlock import (
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.records import DETAILS_LIMIT
-from tests.support import eventually
+from tests.support import eventually, force_release
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -112,7 +112,7 @@ def test_every_acquisition_gets_a_fresh_holder_nonce(backend: MemoryBackend) -> 
 
 def test_lost_lease_makes_the_with_block_raise_lock_lost(backend: MemoryBackend) -> None:
     with pytest.raises(LockLostError) as info, lock("job:lost", backend) as lease:
-        backend.force_release("job:lost", "operator")
+        force_release(backend, "job:lost", "operator")
     assert info.value.key == "job:lost" and info.value.fence == lease.fence
     lost, forced = backend.history(key="job:lost")
     assert forced.outcome is Outcome.FORCED and forced.lease.token == lease.token
@@ -123,7 +123,7 @@ def test_lost_lease_makes_the_with_block_raise_lock_lost(backend: MemoryBackend)
 
 def test_body_exception_wins_over_a_lost_lease(backend: MemoryBackend) -> None:
     with pytest.raises(CardDeclined), lock("job:lost2", backend):
-        backend.force_release("job:lost2", "operator")
+        force_release(backend, "job:lost2", "operator")
         raise CardDeclined("declined")
 
 
@@ -131,7 +131,7 @@ def test_renew_of_a_lost_lease_raises(backend: MemoryBackend) -> None:
     the_lock = Lock(backend, "job:renew", ttl=60)
     the_lock.acquire()
     assert the_lock.renew().token == the_lock.lease.token  # type: ignore[union-attr]
-    backend.force_release("job:renew", "operator")
+    force_release(backend, "job:renew", "operator")
     with pytest.raises(LockLostError):
         the_lock.renew()
     the_lock.release()
@@ -163,7 +163,7 @@ def test_background_renewal_reports_a_lost_lease() -> None:
     lost: list[Lease] = []
     the_lock = Lock(backend, "job:gone", ttl=0.3, on_lost=lost.append)
     lease = the_lock.acquire()
-    backend.force_release("job:gone", "operator")
+    force_release(backend, "job:gone", "operator")
     eventually(lambda: the_lock.lost, "loss noticed")
     assert [item.token for item in lost] == [lease.token]
     assert the_lock.release() is None

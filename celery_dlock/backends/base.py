@@ -7,24 +7,34 @@ Every backend passes the shared contract suite in ``tests/backends/``.
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, Literal, TypeVar
-from urllib.parse import parse_qsl
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
-__all__ = ["Capabilities", "Check", "Clock", "LockBackend", "ProcessLocal", "validate_ttl"]
+__all__ = [
+    "Capabilities",
+    "Check",
+    "Diagnosable",
+    "LockBackend",
+    "MonotonicClock",
+    "Place",
+    "WallClock",
+    "remembered",
+    "server_time",
+    "success_task",
+    "validate_ttl",
+]
 
-#: Seconds since the epoch; backends whose expiry uses the caller's clock take one.
-Clock = Callable[[], float]
-
-T = TypeVar("T")
+#: Seconds since the epoch, as ``time.time``: what leases and records carry. Backends whose
+#: expiry uses the caller's clock take one (tests pass a fake that jumps).
+WallClock = Callable[[], float]
+#: Seconds from an arbitrary start that never steps, as ``time.monotonic``: only ever
+#: subtracted from another reading of the same clock (the object stores' server-clock window).
+MonotonicClock = Callable[[], float]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +83,45 @@ class Check:
     detail: str
 
 
+class Place(ABC):
+    """A caller's place in a store's queue of waiters for ``key``, from ``wait``.
+
+    Held by the caller, not by hidden per-thread state: passed to the next ``try_acquire``
+    or ``wait`` of the key, and left when the caller gives up (or when collected).
+    """
+
+    key: str
+
+    @property
+    @abstractmethod
+    def held(self) -> bool:
+        """Whether the place is still the caller's: not left, not used up by an acquire."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Give the place up: the next waiter moves up. Idempotent."""
+
+
+@runtime_checkable
+class Diagnosable(Protocol):
+    """What a store with a clock and health checks of its own offers ``celery dlock
+    doctor``, beside the lock contract (Redis, the object stores)."""
+
+    def server_time(self) -> float:
+        """The store's own clock now, in seconds since the epoch."""
+        ...
+
+    def diagnose(self) -> list[Check]:
+        """Store-specific health checks (persistence, conditional writes...); may raise
+        BackendError when the store cannot be reached."""
+        ...
+
+
+def server_time(backend: LockBackend) -> float | None:
+    """``backend``'s own clock now, or None where it has none it can tell (Diagnosable)."""
+    return backend.server_time() if isinstance(backend, Diagnosable) else None
+
+
 class LockBackend(ABC):
     """One lock store behind one narrow interface.
 
@@ -95,7 +144,12 @@ class LockBackend(ABC):
 
     @abstractmethod
     def try_acquire(
-        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
     ) -> Lease | None:
         """One attempt to take ``key``; never waits.
 
@@ -107,6 +161,10 @@ class LockBackend(ABC):
             replace: the token of a lease to take over although it is alive: a Celery retry
                 continuing its own earlier attempt. That lease is recorded as ``retried``
                 in the same atomic step; the new lease has a new token and fence.
+            place: this caller's place in the key's queue of waiters, from ``wait``: the
+                attempt goes first. Used up when the key is taken (or the attempt fails);
+                still the caller's otherwise, for the next ``wait``. A place for another
+                key is left.
 
         Returns:
             the new lease, or None if the key is held (by anyone but ``replace``).
@@ -186,16 +244,6 @@ class LockBackend(ABC):
         recorded as ``disconnected`` or ``expired``."""
 
     @abstractmethod
-    def force_release(self, key: str, reason: str) -> Record | None:
-        """Release whatever lease is on ``key`` now, recorded as ``forced`` with ``reason``.
-
-        Conditional on the token read: a lease taken meanwhile is left alone.
-
-        Returns:
-            the record, or None if the key was free (or changed hands meanwhile).
-        """
-
-    @abstractmethod
     def prune_history(self, before: float) -> int:
         """Delete records released before ``before``; returns how many went.
 
@@ -203,11 +251,18 @@ class LockBackend(ABC):
         """
 
     @abstractmethod
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Return when ``key`` may have become free, or after ``timeout`` seconds.
 
         A push from the store where it has one, else a bounded, jittered poll; may return
         early. The caller tries again and calls again.
+
+        A store that queues its waiters (Postgres) returns the caller's ``Place`` in that
+        queue when woken: the caller hands it to its next ``try_acquire`` of ``key`` (which
+        then goes before the waiters behind it) and, if that finds the key busy, to its
+        next ``wait``; it ``leave()``s the place when it gives up. ``place`` is one that an
+        earlier ``wait`` for ``key`` returned. None: no place is kept (a store without
+        queues, a wait that timed out, a place left).
         """
 
     def record_success(self, connection: Any, record: Record) -> None:
@@ -232,16 +287,6 @@ class LockBackend(ABC):
         they live as long as this process)."""
         return None
 
-    def server_time(self) -> float | None:
-        """The store's own clock now, in seconds since the epoch, for the doctor's skew
-        check; None where the store has no clock of its own (memory, file)."""
-        return None
-
-    def diagnose(self) -> list[Check]:
-        """Store-specific health checks for ``celery dlock doctor`` (schema present, pooler
-        mode...); may raise BackendError when the store cannot be reached."""
-        return []
-
     def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing
         """Release clients and files held by this process."""
 
@@ -253,44 +298,6 @@ class LockBackend(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url}>"
-
-
-class ProcessLocal(Generic[T]):
-    """An object made lazily, once per process id.
-
-    Celery forks its pool after the app is imported; a socket or file inherited from the
-    parent would be shared by both processes. ``get()`` makes a fresh object in a child
-    and drops (without closing) the parent's copy, which still belongs to the parent.
-    """
-
-    def __init__(self, factory: Callable[[], T], close: Callable[[T], None] | None = None) -> None:
-        self._factory = factory
-        self._close = close
-        self._pid = -1
-        self._value: T | None = None
-        self._mutex = threading.Lock()
-
-    def get(self) -> T:
-        value = self._value
-        if value is not None and self._pid == os.getpid():
-            return value
-        with self._mutex:
-            if self._value is None or self._pid != os.getpid():
-                self._value = self._factory()
-                self._pid = os.getpid()
-            return self._value
-
-    def reset(self) -> None:
-        """Close this process's object, if any; the next ``get()`` makes a new one."""
-        with self._mutex:
-            value, self._value = self._value, None
-            if value is not None and self._pid == os.getpid() and self._close is not None:
-                self._close(value)
-
-
-def expired(lease: Lease, now: float) -> bool:
-    """Whether ``lease`` has run past its expiry at time ``now``."""
-    return lease.expires_at is not None and lease.expires_at <= now
 
 
 def remembered(outcome: Outcome | str, result: Any, task_name: str | None) -> str | None:
@@ -317,65 +324,3 @@ def success_task(record: Record) -> str:
             f"{record.outcome} on {record.key!r} (task {record.lease.holder.task_name!r})"
         )
     return task_name
-
-
-def retried(lease: Lease, successor: Holder, now: float) -> Record:
-    """The record of ``lease`` taken over by ``successor``, the retry of its own task."""
-    details = f"continued by its retry: {successor.describe()}"
-    return Record(lease, now, Outcome.RETRIED, None, details)
-
-
-def expiry(now: float, ttl: float | None) -> float | None:
-    return None if ttl is None else now + ttl
-
-
-def wall_clock() -> float:
-    return time.time()
-
-
-def flag(text: str) -> bool:
-    """A boolean URL option: ``1/true/yes/on`` or ``0/false/no/off``."""
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {text!r}")
-
-
-def url_options(
-    backend: str,
-    query: str,
-    known: dict[str, Callable[[str], Any]],
-    overrides: dict[str, Any],
-) -> dict[str, Any]:
-    """Options from a URL query string, converted, with ``overrides`` on top.
-
-    Raises:
-        ConfigurationError: an option is unknown, repeated or has a bad value; the message
-            names the option and the known ones.
-    """
-    options: dict[str, Any] = {}
-    pairs = parse_qsl(query, keep_blank_values=True)
-    for name, text in pairs:
-        if name not in known:
-            raise ConfigurationError(
-                f"unknown option {name!r} in the {backend} backend URL "
-                f"(known: {', '.join(sorted(known)) or 'none'})"
-            )
-        if name in options:
-            raise ConfigurationError(f"option {name!r} is given twice in the {backend} URL")
-        try:
-            options[name] = known[name](text)
-        except ValueError as exc:
-            raise ConfigurationError(
-                f"bad value {text!r} for option {name!r} of the {backend} backend: {exc}"
-            ) from None
-    for name, value in overrides.items():
-        if name not in known:
-            raise ConfigurationError(
-                f"unknown option {name!r} for the {backend} backend "
-                f"(known: {', '.join(sorted(known)) or 'none'})"
-            )
-        options[name] = value
-    return options

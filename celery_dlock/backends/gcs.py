@@ -16,11 +16,12 @@ Options
 
 Guarantees
     Mutual exclusion rests on uploads with ``ifGenerationMatch=0`` (create) and
-    ``ifGenerationMatch=<generation>`` (swap). The janitor's garbage collection deletes with
-    ``ifGenerationMatch``, which GCS honours (fake-gcs-server does not: its tests cannot show
-    that race, see the tests). GCS allows about one write per second per object name, so
-    these locks suit coarse work (cron singletons, batch jobs), not thousands of short
-    critical sections a second on one key; keep ``ttl`` well above a few seconds.
+    ``ifGenerationMatch=<generation>`` (swap). The janitor's collect (of keys idle past
+    ``gc_after``) deletes with ``ifGenerationMatch``, which GCS honours (fake-gcs-server
+    does not: its tests cannot show that race, see the tests). GCS allows about one write
+    per second per object name, so these locks suit coarse work (cron singletons, batch
+    jobs), not thousands of short critical sections a second on one key; keep ``ttl`` well
+    above a few seconds.
     crash: a dead holder's lease expires ``ttl`` after its last renewal (by GCS's clock); a
     lease without ``ttl`` stays until released or force-released.
     clock skew: expiry is judged by GCS's ``Date`` headers and the ``updated`` time of our
@@ -50,7 +51,8 @@ from google.cloud import storage  # type: ignore[import-untyped]  # no py.typed 
 from google.cloud.storage.retry import DEFAULT_RETRY  # type: ignore[import-untyped]
 
 from celery_dlock.backends import mask_url
-from celery_dlock.backends.base import Clock, flag, url_options
+from celery_dlock.backends.base import MonotonicClock
+from celery_dlock.backends.common import flag, url_options
 from celery_dlock.backends.objectstore import (
     Found,
     ObjectStore,
@@ -84,7 +86,7 @@ class GCSBackend(ObjectStoreBackend):
         anonymous: bool = False,
         timeout: float = 10.0,
         gc_after: float = 86400.0,
-        clock: Clock | None = None,
+        clock: MonotonicClock | None = None,
     ) -> None:
         super().__init__(bucket, prefix, gc_after=gc_after, clock=clock)
         self.endpoint = endpoint

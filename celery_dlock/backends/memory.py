@@ -25,17 +25,14 @@ from urllib.parse import urlsplit
 
 from celery_dlock.backends.base import (
     Capabilities,
-    Clock,
     LockBackend,
-    expired,
-    expiry,
+    Place,
+    WallClock,
     remembered,
-    retried,
     success_task,
-    url_options,
     validate_ttl,
-    wall_clock,
 )
+from celery_dlock.backends.common import expired, expiry, retried, url_options, wall_clock
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["MemoryBackend"]
@@ -56,9 +53,9 @@ class MemoryBackend(LockBackend):
     _named: ClassVar[dict[str, MemoryBackend]] = {}
     _named_mutex: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, clock: Clock | None = None) -> None:
+    def __init__(self, clock: WallClock | None = None) -> None:
         self.url = "memory://"
-        self._clock: Clock = clock or wall_clock
+        self._clock: WallClock = clock or wall_clock
         self._changed = threading.Condition()
         self._leases: dict[str, Lease] = {}
         self._fences: dict[str, int] = {}
@@ -78,7 +75,12 @@ class MemoryBackend(LockBackend):
             return backend
 
     def try_acquire(
-        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
     ) -> Lease | None:
         ttl = validate_ttl(ttl)
         with self._changed:
@@ -211,17 +213,6 @@ class MemoryBackend(LockBackend):
                 self._changed.notify_all()
         return reaped
 
-    def force_release(self, key: str, reason: str) -> Record | None:
-        with self._changed:
-            lease = self._leases.get(key)
-            if lease is None:
-                return None
-            record = Record(lease, self._clock(), Outcome.FORCED, "forced", reason)
-            self._append(record)
-            del self._leases[key]
-            self._changed.notify_all()
-            return record
-
     def prune_history(self, before: float) -> int:
         with self._changed:
             times = [record.released_at for record in self._history]
@@ -229,12 +220,13 @@ class MemoryBackend(LockBackend):
             del self._history[:cut]
             return cut
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         with self._changed:
             lease = self._leases.get(key)
             if lease is None or expired(lease, self._clock()):
-                return
+                return None
             self._changed.wait(timeout)
+        return None  # no queue: nothing to keep
 
     def _append(self, record: Record) -> None:
         """Append ``record`` keeping history ordered by release time (the clock may be

@@ -17,7 +17,7 @@ Options
 
 Guarantees
     Mutual exclusion rests on ``If-None-Match: *`` (create) and ``If-Match: <ETag>`` (swap)
-    on PutObject, which AWS honours since 2024-11; the janitor's garbage collection uses
+    on PutObject, which AWS honours since 2024-11; the janitor's collect uses
     ``If-Match`` on DeleteObject (AWS: 2025-09). Every body carries a fresh nonce, so ETags
     (content hashes) never repeat. A 412, or a 404 on ``If-Match`` of a missing key, means
     "not ours"; a 409 ConditionalRequestConflict is retried.
@@ -47,7 +47,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from celery_dlock.backends import mask_url
-from celery_dlock.backends.base import Clock, url_options
+from celery_dlock.backends.base import MonotonicClock
+from celery_dlock.backends.common import url_options
 from celery_dlock.backends.objectstore import (
     Found,
     ObjectStore,
@@ -95,7 +96,7 @@ class S3Backend(ObjectStoreBackend):
         access_key: str | None = None,
         secret_key: str | None = None,
         gc_after: float = 86400.0,
-        clock: Clock | None = None,
+        clock: MonotonicClock | None = None,
     ) -> None:
         super().__init__(bucket, prefix, gc_after=gc_after, clock=clock)
         self.endpoint_url = endpoint_url

@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import json
 import logging
 import random
 import threading
@@ -38,10 +37,11 @@ from typing import Any, ClassVar
 
 from celery import Task
 from celery._state import _task_stack
-from celery.exceptions import Ignore, Reject, Retry, TaskRevokedError
+from celery.exceptions import Reject, Retry
 
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import signals
+from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
 from celery_dlock.celery.settings import settings, warn_if_default_store
 from celery_dlock.errors import (
     AlreadySucceededError,
@@ -154,7 +154,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 f"task {self.name}: record_success is called from the body, while it holds "
                 "its lease"
             )
-        lock.record_success(connection, _stored_result(self.name, result))
+        lock.record_success(connection, stored_result(self.name, result))
 
     def lock_key_for(
         self,
@@ -255,12 +255,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             # Injected by on_lock_lost="raise" as a bare class: say which lease.
             raise LockLostError(held.key, held.fence, "renew") from None
         except BaseException as exc:
-            self._finish(lock, _outcome_of(exc), exc)
+            self._finish(lock, outcome_of(exc), exc)
             raise
         if lock.lost and self.on_lock_lost == "raise":
             gone = lock.detach()
             raise LockLostError(gone.key, gone.fence, "renew")
-        stored = _stored_result(self.name, result) if self.once else None
+        stored = stored_result(self.name, result) if self.once else None
         self._finish(lock, Outcome.SUCCEEDED, None, stored)
         return result
 
@@ -271,7 +271,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             f"{previous.lease.holder.task_id}); returning its stored result"
         )
         lock.release(Outcome.SKIPPED, "once", details)
-        return _replayed(previous.result)
+        return replayed(previous.result)
 
     def _finish(
         self,
@@ -421,35 +421,3 @@ def _current_lease(lock: Lock) -> Lease | None:
         return lock.current()
     except BackendError:
         return None
-
-
-def _outcome_of(exc: BaseException) -> Outcome:
-    """The outcome of a body that raised ``exc`` (Retry is handled before this)."""
-    if isinstance(exc, Ignore):
-        return Outcome.SKIPPED
-    # billiard raises Terminated in a child that gets SIGTERM (revoke(terminate=True)).
-    if isinstance(exc, (TaskRevokedError, SystemExit, KeyboardInterrupt)) or type(exc).__name__ in (
-        "Terminated",
-        "WorkerTerminate",
-    ):
-        return Outcome.REVOKED
-    return Outcome.FAILED
-
-
-def _stored_result(task_name: str, result: Any) -> dict[str, Any]:
-    """What a ``once`` success keeps for replays: ``{"value": result}`` (never None, so the
-    store keeps it as the key's last success even when the task returned None)."""
-    try:
-        json.dumps(result)
-    except (TypeError, ValueError):
-        logger.warning(
-            "%s returned a value that is not JSON (%s): once-replays will return None",
-            task_name,
-            type(result).__name__,
-        )
-        return {"value": None, "unstored": type(result).__qualname__}
-    return {"value": result}
-
-
-def _replayed(stored: Any) -> Any:
-    return stored.get("value") if isinstance(stored, dict) else stored

@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import click
 
-from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.base import LockBackend, server_time
 from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import (
     DURATION,
@@ -52,7 +52,7 @@ PROBLEM_OUTCOMES = (
 
 def store_now(backend: LockBackend) -> float:
     """Now, on the store's clock where it has one (leases carry the store's times)."""
-    server = backend.server_time()
+    server = server_time(backend)
     return time.time() if server is None else server
 
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import click
 
+from celery_dlock.backends.base import Diagnosable, server_time
 from celery_dlock.cli.commands import JSON, store_now
 from celery_dlock.cli.env import Env, failure_text, guarded
 from celery_dlock.cli.render import DURATION, human_duration, local_time, table
@@ -73,7 +74,7 @@ def _capabilities(env: Env) -> Finding:
 
 def _clock_skew(env: Env) -> Finding:
     before = time.time()
-    server = env.backend.server_time()
+    server = server_time(env.backend)
     after = time.time()
     if server is None:
         return Finding("clock skew", "ok", "n/a (this backend reports no clock of its own)")
@@ -91,6 +92,8 @@ def _clock_skew(env: Env) -> Finding:
 
 
 def _diagnose(env: Env) -> list[Finding]:
+    if not isinstance(env.backend, Diagnosable):
+        return []
     try:
         checks = env.backend.diagnose()
     except Exception as exc:

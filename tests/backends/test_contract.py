@@ -21,7 +21,7 @@ from celery_dlock import Holder, Lease, Lock, Outcome, Record
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError
 from tests.backends.storecase import StoreCase
-from tests.support import eventually
+from tests.support import eventually, force_release
 from tests.support.holders import kill, spawn_holder
 
 HELPERS = Path(__file__).parent.parent / "support"
@@ -118,7 +118,7 @@ def test_release_by_stale_lease_is_refused_and_does_not_free_new_holder(store: S
     backend = store.backend
     stale = backend.try_acquire("job:stale", holder(), None)
     assert stale is not None
-    assert backend.force_release("job:stale", "test") is not None
+    assert force_release(backend, "job:stale", "test") is not None
     current = backend.try_acquire("job:stale", holder(), None)
     assert current is not None
 
@@ -315,7 +315,7 @@ def test_fence_strictly_increases_across_acquisitions_and_takeovers(store: Store
     lease = backend.try_acquire("job:fence", holder(), None)
     assert lease is not None
     fences.append(lease.fence)
-    backend.force_release("job:fence", "test")
+    force_release(backend, "job:fence", "test")
     lease = backend.try_acquire("job:fence", holder(), short_ttl(store))
     assert lease is not None
     fences.append(lease.fence)
@@ -432,7 +432,7 @@ def test_prune_history_drops_old_records_and_keeps_last_success(store: StoreCase
     assert kept is not None and kept.result == "old"
 
 
-# -- reap and force_release ----------------------------------------------------------------
+# -- reap and an operator's release ------------------------------------------------------
 
 
 def test_reap_clears_expired_leases_and_leaves_live_ones(store: StoreCase) -> None:
@@ -460,17 +460,22 @@ def test_reap_is_bounded_by_its_limit(store: StoreCase) -> None:
     assert len(backend.reap(limit=10)) == 3
 
 
-def test_force_release_is_recorded_forced_and_frees_the_key(backend: LockBackend) -> None:
+def test_an_operator_release_from_another_client_is_recorded_forced_and_frees_the_key(
+    store: StoreCase,
+) -> None:
+    """What ``celery dlock release --force`` does: another client reads the lease and
+    releases it by its token."""
+    backend = store.backend
     lease = backend.try_acquire("job:force", holder(), None)
     assert lease is not None
-    record = backend.force_release("job:force", "operator: stuck since Tuesday")
+    record = force_release(store.second(), "job:force", "operator: stuck since Tuesday")
     assert record is not None
     assert record.outcome is Outcome.FORCED
     assert record.lease.token == lease.token
     assert record.details == "operator: stuck since Tuesday"
     assert backend.get("job:force") is None
     assert backend.history(key="job:force") == [record]
-    assert backend.force_release("job:force", "again") is None
+    assert force_release(backend, "job:force", "again") is None
 
 
 # -- listing and keys ------------------------------------------------------------------------

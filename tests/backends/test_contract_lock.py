@@ -71,3 +71,29 @@ def test_a_stale_release_from_another_client_never_frees_the_new_holder(
     assert operator.try_acquire("job:stale:two", holder(), None) is None  # still held
     outcomes = [r.outcome for r in operator.history(key="job:stale:two")]
     assert outcomes == [Outcome.LOST, Outcome.FORCED]
+
+
+def test_a_waiters_place_goes_with_it_to_try_acquire_and_is_used_up(store: StoreCase) -> None:
+    """``wait`` may return the caller's place in the store's queue of waiters (Postgres);
+    whatever it returns is accepted by the next ``try_acquire`` and ``wait`` of the key, an
+    acquire uses it up, and leaving it is idempotent."""
+    backend = store.backend
+    first = backend.try_acquire("job:place", holder(), None)
+    assert first is not None
+    waiter = store.second()
+    release = threading.Timer(0.3, lambda: backend.release(first, Outcome.SUCCEEDED))
+    release.start()
+    place = None
+    taken = None
+    deadline = time.monotonic() + 30
+    while taken is None and time.monotonic() < deadline:
+        place = waiter.wait("job:place", 1.0, place)
+        assert place is None or place.key == "job:place"
+        taken = waiter.try_acquire("job:place", holder(), None, place=place)
+    release.join()
+    assert taken is not None and taken.fence > first.fence
+    if place is not None:
+        assert not place.held  # used up by the acquire
+        place.leave()
+        place.leave()
+    assert waiter.release(taken, Outcome.SUCCEEDED) is not None

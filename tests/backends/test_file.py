@@ -53,7 +53,7 @@ def test_directories_are_private_and_files_owner_only(backend: FileBackend, tmp_
     for directory in (root, root / "locks", root / "history", root / "success"):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
     files = [p for p in root.rglob("*") if p.is_file()]
-    assert len(files) == 3  # state, history day, success marker
+    assert len(files) == 3  # state, history day, kept result
     for path in files:
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
 

@@ -21,7 +21,7 @@ from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcom
 from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.naming import file_name
 from celery_dlock.backends.objectstore import ObjectStoreBackend
-from tests.support import eventually
+from tests.support import eventually, force_release
 from tests.support.objectstore_servers import (  # noqa: F401 - fixtures
     Recording,
     Server,
@@ -139,7 +139,7 @@ def test_stale_release_and_renew_after_takeover_change_nothing(
 
     assert backend.release(stale, Outcome.SUCCEEDED) is None
     assert backend.renew(stale, 60) is None
-    assert backend.force_release("job:other", "nothing there") is None
+    assert force_release(backend, "job:other", "nothing there") is None
 
     assert lock_object(backend, "job:stale") == before
     held = backend.get("job:stale")
@@ -212,19 +212,19 @@ def workload(backend: ObjectStoreBackend) -> None:
         assert renewed is not None
         assert backend.release(renewed, Outcome.SUCCEEDED) is not None
     forced = backend.try_acquire("job:w", me, None)
-    assert forced is not None and backend.force_release("job:w", "test") is not None
+    assert forced is not None and force_release(backend, "job:w", "test") is not None
     dying = backend.try_acquire("job:w2", me, 1.0)
     assert dying is not None
     eventually(lambda: backend.try_acquire("job:w2", me, 1.0), "takeover")
     eventually(lambda: backend.reap() or None, "reap of job:w2")
-    backend.reap()  # garbage-collects the free objects (gc_after=0)
+    backend.reap()  # collects the free objects (gc_after=0)
 
 
 def test_lock_objects_are_written_only_with_preconditions(object_url: str) -> None:  # noqa: F811
     backend = backend_from_url(object_url + "&gc_after=0")
     assert isinstance(backend, ObjectStoreBackend)
     recording = Recording(backend.store())
-    backend.store = lambda: recording
+    backend.objects.store = lambda: recording  # every read and write goes through it
     workload(backend)
     locks = [call for call in recording.calls if "/locks/" in call.name]
     kinds = {call.kind for call in locks}
@@ -333,7 +333,7 @@ def test_a_record_lost_between_swap_and_history_is_copied_by_reap(
     backend: ObjectStoreBackend,
 ) -> None:
     recording = Recording(backend.store(), fail_creates_under=backend.layout.history)
-    backend.store = lambda: recording
+    backend.objects.store = lambda: recording  # every read and write goes through it
     lease = backend.try_acquire("job:gap", holder("tasks.once"), None)
     assert lease is not None
     record = backend.release(lease, Outcome.SUCCEEDED, result="done")
@@ -373,7 +373,8 @@ def test_the_doctor_checks_what_the_locks_rest_on(object_server: Server) -> None
     assert list(backend.store().names(backend.layout.doctor)) == []
 
 
-def test_from_url_does_no_io_and_masks_the_secret() -> None:
+def test_a_percent_encoded_secret_is_masked() -> None:
+    # That from_url does no I/O is a contract check (test_contract_url.py).
     backend = backend_from_url(
         "s3://AKIA:s%2Fecret@bucket/some/prefix?endpoint_url=http://127.0.0.1:9&region=x"
     )

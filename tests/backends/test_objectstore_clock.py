@@ -122,7 +122,7 @@ def test_calibration_narrows_the_window_by_dates_alone(object_url: str) -> None:
     assert isinstance(backend, ObjectStoreBackend)
     backend.get("job:x")  # one response: a window of about a second
     assert backend.server_clock.uncertainty > 0.5
-    backend._calibrate()
+    backend.objects.calibrate()
     assert backend.server_clock.uncertainty <= 0.1
     now = backend.server_clock.now()
     assert now is not None and now.low - 0.01 <= time.time() <= now.high + 0.01

@@ -21,11 +21,11 @@ from typing import Any, TypeVar
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Lock, Outcome
+from celery_dlock import ConfigurationError, Holder, Lease, Lock, Outcome
 from celery_dlock.backends import backend_from_url
 from celery_dlock.records import DETAILS_LIMIT
 from tests.backends.stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
-from tests.support import eventually
+from tests.support import eventually, force_release
 from tests.support.holders import kill, spawn_holder
 from tests.support.services import lease_session_pids
 
@@ -102,13 +102,11 @@ def test_every_scheme_reaches_the_server(scheme: str, schema: str, backends: Bac
     backend.close()
 
 
-def test_from_url_makes_no_connection_until_first_use() -> None:
-    backend = PostgresBackend.from_url("postgresql://nobody@127.0.0.1:1/none?connect_timeout=2")
-    assert backend.schema == "dlock"
-    with pytest.raises(BackendError) as caught:
-        backend.get("job:x")
-    assert isinstance(caught.value.__cause__, psycopg.OperationalError)
-    backend.close()
+def test_the_schema_is_dlock_unless_the_url_says() -> None:
+    # That from_url does no I/O is a contract check (test_contract_url.py).
+    assert PostgresBackend.from_url("postgresql://nobody@127.0.0.1:1/none").schema == "dlock"
+    named = PostgresBackend.from_url("postgresql://nobody@127.0.0.1:1/none?schema=locks")
+    assert named.schema == "locks"
 
 
 @pytest.mark.parametrize(
@@ -365,7 +363,7 @@ def test_force_release_is_conditional_and_frees_our_advisory_lock(
 ) -> None:
     lease = backend.try_acquire("job:force", holder(), None)
     assert lease is not None
-    record = backend.force_release("job:force", "operator")
+    record = force_release(backend, "job:force", "operator")
     assert record is not None and record.lease.token == lease.token
     assert lease_session_pids(admin, schema, lease.fence) == []
     assert backend.release(lease, Outcome.SUCCEEDED) is None
@@ -402,7 +400,7 @@ def test_lock_session_commits_asynchronously_unless_told(backends: Backends, url
     assert durable.session_info()["synchronous_commit"] == "on"
 
 
-def test_a_once_marker_is_committed_durably_on_an_asynchronous_session(
+def test_a_once_result_is_committed_durably_on_an_asynchronous_session(
     backend: PostgresBackend, admin: Any
 ) -> None:
     """A success kept for ``once`` waits for the WAL flush; a plain release does not.
@@ -422,7 +420,7 @@ def test_a_once_marker_is_committed_durably_on_an_asynchronous_session(
 
     durable = sum(flushed_after({"value": n}) for n in range(20))
     plain = sum(flushed_after(None) for _ in range(20))
-    assert durable >= 16, f"only {durable} of 20 once markers were flushed at commit"
+    assert durable >= 16, f"only {durable} of 20 once results were flushed at commit"
     assert plain <= 4, f"{plain} of 20 asynchronous commits looked flushed: the check is blind"
 
 
@@ -577,7 +575,7 @@ def test_history_since_is_exact_to_the_microsecond(backend: PostgresBackend) -> 
         assert backend.history(key="job:since", since=record.released_at) == expected
 
 
-def test_prune_keeps_success_markers(backend: PostgresBackend) -> None:
+def test_prune_keeps_the_results_for_once(backend: PostgresBackend) -> None:
     lease = backend.try_acquire("job:prune", holder("t"), None)
     assert lease is not None
     success = backend.release(lease, Outcome.SUCCEEDED, result=1)

@@ -22,8 +22,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Outcome
+from celery_dlock import BackendError, ConfigurationError, Lock, Outcome
+from celery_dlock.backends.base import Place
 from celery_dlock.backends.postgres import PostgresBackend
+from celery_dlock.backends.postgres.session import Queued
 from celery_dlock.backends.postgres.sql import Names
 from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.backends.test_postgres import (
@@ -80,7 +82,7 @@ def test_uncontended_acquire_and_release_are_one_round_trip_each(
         assert lease is not None
         proxy.reset()
         assert backend.release(lease, Outcome.SUCCEEDED, result={"once": True}) is not None
-        assert proxy.round_trips == 1  # with the success marker for once
+        assert proxy.round_trips == 1  # with the result key for once
 
         assert other.try_acquire("job:rt-busy", holder(), None) is not None
         backend.try_acquire("job:rt-busy", holder(), None)
@@ -108,17 +110,19 @@ def test_wait_is_one_statement_woken_by_the_release(
     holder_backend = backends()
     with CountingProxy(HOST, PORT) as proxy:
         waiter = backends(via(proxy.port, schema))
-        assert waiter.wait_released("job:free", 5.0)  # opens the waiter connection
-        assert waiter.get("job:free") is None  # opens the lock session, hands the baton back
+        place = waiter.wait("job:free", 5.0)  # opens the waiter connection
+        assert place is not None
+        place.leave()
+        assert waiter.get("job:free") is None  # opens the lock session
         lease = holder_backend.try_acquire("job:push", holder(), None)
         assert lease is not None
         proxy.reset()
-        woken: list[bool] = []
+        woken: list[Place | None] = []
         counted = threading.Event()
 
         def wait() -> None:
-            woken.append(waiter.wait_released("job:push", 60))
-            counted.wait(30)  # keep the baton (and its release) until the count is read
+            woken.append(waiter.wait("job:push", 60))
+            counted.wait(30)  # keep the place (and its leaving) until the count is read
 
         thread = threading.Thread(target=wait)
         thread.start()
@@ -126,10 +130,12 @@ def test_wait_is_one_statement_woken_by_the_release(
         assert woken == []
         holder_backend.release(lease, Outcome.SUCCEEDED)
         eventually(lambda: woken or None, "woken by the release")
-        assert woken == [True]
+        [place] = woken
+        assert place is not None and place.key == "job:push"
         assert proxy.round_trips == 1  # no polling: one message, answered by the server
         counted.set()
         thread.join(timeout=30)
+        place.leave()
 
 
 def test_wait_wakes_when_the_holder_session_dies(
@@ -138,30 +144,31 @@ def test_wait_wakes_when_the_holder_session_dies(
     holder_backend, waiter = backends(), backends()
     lease = holder_backend.try_acquire("job:dies", holder(), None)
     assert lease is not None
-    woken: list[bool] = []
-    thread = threading.Thread(target=lambda: woken.append(waiter.wait_released("job:dies", 60)))
+    woken: list[Place | None] = []
+    thread = threading.Thread(target=lambda: woken.append(waiter.wait("job:dies", 60)))
     thread.start()
     eventually(lambda: waiting_on(admin, schema, lease.fence), "the waiter queued in the server")
     admin.execute("SELECT pg_terminate_backend(%s)", (session_pid(holder_backend),))
     thread.join(timeout=30)
-    assert woken == [True]
-    assert waiter.try_acquire("job:dies", holder(), None) is not None
+    [place] = woken
+    assert place is not None
+    assert waiter.try_acquire("job:dies", holder(), None, place=place) is not None
+    assert not place.held  # used up by the acquire
 
 
 def test_wait_times_out_while_held_and_leaks_no_setting(backends: Backends) -> None:
     holder_backend, waiter = backends(), backends()
     assert holder_backend.try_acquire("job:held", holder(), None) is not None
-    assert waiter.wait_released("job:held", 0.2) is False
-    assert waiter.wait_released("job:held", 0) is False
-    batons = waiter._clients.get().batons  # waiter connections kept by their threads
-    assert getattr(batons, "held", None) is None  # a timed-out wait keeps no place
-    assert waiter.wait_released("job:free-now", 1.0) is True
-    baton = batons.held
-    assert baton is not None and baton.key == "job:free-now"
-    conn = baton.conn
+    assert waiter.wait("job:held", 0.2) is None  # a timed-out wait keeps no place
+    assert waiter.wait("job:held", 0) is None
+    place = waiter.wait("job:free-now", 1.0)
+    assert isinstance(place, Queued) and place.key == "job:free-now"
+    conn = place.conn
     assert conn.execute("SHOW lock_timeout").fetchone() == ("0",)
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    assert waiter.session_info()["lock_timeout"] == "0"  # also hands the baton back
+    place.leave()
+    assert not place.held
+    assert waiter.session_info()["lock_timeout"] == "0"
     assert holder_backend.session_info()["lock_timeout"] == "0"
 
 
@@ -169,16 +176,20 @@ def test_wait_for_a_ttl_lease_ends_at_its_expiry(backends: Backends) -> None:
     holder_backend, waiter = backends(), backends()
     lease = holder_backend.try_acquire("job:ttl", holder(), 0.3)
     assert lease is not None
-    assert waiter.wait_released("job:ttl", 60) is True  # returns at expiry, not after 60 s
+    returned = threading.Event()
+    thread = threading.Thread(target=lambda: (waiter.wait("job:ttl", 600), returned.set()))
+    thread.start()
+    assert returned.wait(30), "the wait did not end at the lease's expiry"
     assert waiter.try_acquire("job:ttl", holder(), None) is not None
 
 
-def test_lock_timeout_reported_after_the_key_came_free_counts_as_woken(
+def test_lock_timeout_reported_after_the_key_came_free_still_lets_the_lock_take_it(
     backends: Backends, admin: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Postgres can raise 55P03 just after granting the lock (DistributedLock#147); the
-    waiter then asks pg_locks instead of trusting the error. Here the error is forced by a
-    statement that always times out on a lock the admin holds."""
+    waiter then leaves the queue (letting go of whatever was granted) and its Lock tries
+    the key again. Here the error is forced by a statement that always times out on a lock
+    the admin holds."""
     holder_backend, waiter = backends(), backends()
     admin.execute("SELECT pg_advisory_lock(-42)")
     forced = (
@@ -188,9 +199,12 @@ def test_lock_timeout_reported_after_the_key_came_free_counts_as_woken(
     monkeypatch.setattr(waiter._sql, "wait", forced)
     lease = holder_backend.try_acquire("job:race", holder(), None)
     assert lease is not None
-    assert waiter.wait_released("job:race", 5) is False  # really still held
+    assert waiter.wait("job:race", 5) is None  # no place kept after the error
     holder_backend.release(lease, Outcome.SUCCEEDED)
-    assert waiter.wait_released("job:race", 5) is True  # free, despite the 55P03
+    lock = Lock(waiter, "job:race", wait=5)
+    taken = lock.acquire()  # free, despite the 55P03 on each wait
+    assert taken.fence > lease.fence
+    lock.release()
     admin.execute("SELECT pg_advisory_unlock(-42)")
 
 
@@ -432,10 +446,11 @@ def test_a_release_wakes_the_first_waiter_only_and_the_queue_moves_up(
 
     def wait(index: int) -> None:
         backend = waiters[index]
+        place = None  # each waiter keeps its place in the queue, as Lock.acquire does
         while leases[index] is None:
-            backend.wait("job:queue", 30)
+            place = backend.wait("job:queue", 30, place)
             woken[index].set()
-            leases[index] = backend.try_acquire("job:queue", holder(), None)
+            leases[index] = backend.try_acquire("job:queue", holder(), None, place=place)
         done.wait(30)
 
     first = threading.Thread(target=wait, args=(0,))
@@ -478,8 +493,8 @@ def test_a_releaser_lets_a_waiting_process_go_first(
     got: list[Any] = []
 
     def wait() -> None:
-        waiter.wait("job:polite", 30)
-        got.append(waiter.try_acquire("job:polite", holder(), None))
+        place = waiter.wait("job:polite", 30)
+        got.append(waiter.try_acquire("job:polite", holder(), None, place=place))
 
     thread = threading.Thread(target=wait)
     thread.start()

@@ -10,6 +10,9 @@ from typing import NoReturn, TypeVar
 
 import pytest
 
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.records import Outcome, Record
+
 REQUIRE_ALL = os.environ.get("DLOCK_REQUIRE_ALL") == "1"
 T = TypeVar("T")
 
@@ -35,3 +38,10 @@ def eventually(attempt: Callable[[], T | None], what: str, timeout: float = 30.0
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what}")
         time.sleep(0.02)
+
+
+def force_release(backend: LockBackend, key: str, reason: str) -> Record | None:
+    """Release whatever lease is on ``key`` now, recorded ``forced`` with ``reason``, as
+    ``celery dlock release --force`` does: read the lease, release it by its token."""
+    lease = backend.get(key)
+    return None if lease is None else backend.release(lease, Outcome.FORCED, "forced", reason)

@@ -51,17 +51,20 @@ from urllib.parse import unquote, urlsplit
 
 from celery_dlock.backends.base import (
     Capabilities,
-    Clock,
     LockBackend,
+    Place,
+    WallClock,
+    remembered,
+    success_task,
+    validate_ttl,
+)
+from celery_dlock.backends.common import (
     ProcessLocal,
     expired,
     expiry,
     flag,
-    remembered,
     retried,
-    success_task,
     url_options,
-    validate_ttl,
     wall_clock,
 )
 from celery_dlock.backends.file import history
@@ -94,7 +97,7 @@ class FileBackend(LockBackend):
         *,
         fsync: bool = False,
         gc_after: float = DAY,
-        clock: Clock | None = None,
+        clock: WallClock | None = None,
     ) -> None:
         if not os.path.isabs(directory):
             raise ConfigurationError(
@@ -105,7 +108,7 @@ class FileBackend(LockBackend):
         self.url = f"file://{self.directory}"
         self.fsync = fsync
         self.gc_after = float(gc_after)
-        self._clock: Clock = clock or wall_clock
+        self._clock: WallClock = clock or wall_clock
         self._locks_dir = os.path.join(self.directory, "locks")
         self._history_dir = os.path.join(self.directory, "history")
         self._success_dir = os.path.join(self.directory, "success")
@@ -113,17 +116,14 @@ class FileBackend(LockBackend):
         self._read_floor = functools.partial(read_floor, self._floor_path)
         for path in (self.directory, self._locks_dir, self._history_dir, self._success_dir):
             _make_private_dir(path)
-        self._made: Local | None = None
-        self._local: ProcessLocal[Local] = ProcessLocal(self._new_local)
+        # A forked child closes its copies of the parent's files at once (see close_inherited).
+        self._local: ProcessLocal[Local] = ProcessLocal(
+            self._new_local, forget=Local.close_inherited
+        )
 
     def _new_local(self) -> Local:
-        """This process's open files; in a forked child, first close the parent's copies."""
-        made = self._made
-        if made is not None and made.pid != os.getpid():
-            made.close_inherited()
-        segment = Segment(self._history_dir, self.fsync, self.url)
-        self._made = Local(self._locks_dir, self.url, segment)
-        return self._made
+        """This process's open files."""
+        return Local(self._locks_dir, self.url, Segment(self._history_dir, self.fsync, self.url))
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> FileBackend:
@@ -158,7 +158,12 @@ class FileBackend(LockBackend):
         return history.write_success(path, record, fsync=self.fsync, first=first)
 
     def try_acquire(
-        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
     ) -> Lease | None:
         ttl = validate_ttl(ttl)
         with self._locked(key) as state:
@@ -313,20 +318,10 @@ class FileBackend(LockBackend):
         raise_floor(self._floor_path, state.fence)
         os.unlink(os.path.join(self._locks_dir, file_name(state.key)))
 
-    def force_release(self, key: str, reason: str) -> Record | None:
-        with self._locked(key) as state:
-            current = state.lease
-            if current is None:
-                return None
-            record = Record(current, self._clock(), Outcome.FORCED, "forced", reason)
-            self._append(record, state.segment)
-            state.write(state.fence, None)
-            return record
-
     def prune_history(self, before: float) -> int:
         return history.prune(self._history_dir, before)
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Sleep until ``key``'s file changes or its holder's process exits, at most
         ``timeout`` seconds. The watch is armed before the state is read, so a release
         between the two is not missed."""
@@ -336,7 +331,7 @@ class FileBackend(LockBackend):
         try:
             lease = self.get(key)
             if lease is None or _ended(lease, self._clock()) is not None:
-                return
+                return None
             if lease.expires_at is not None:
                 timeout = max(0.0, min(timeout, lease.expires_at - self._clock()))
             process = watch_holder(lease.holder)
@@ -344,12 +339,13 @@ class FileBackend(LockBackend):
                 waits.append(process)
             if not waits:
                 time.sleep(timeout)
-                return
+                return None
             with contextlib.suppress(InterruptedError):
                 select.select(waits, [], [], timeout)
         finally:
             for fd in waits:
                 os.close(fd)
+        return None  # no queue: nothing to keep
 
     def close(self) -> None:
         self._local.get().close()

@@ -33,13 +33,12 @@ class Local:
     """One backend's open files in one process, made by ``ProcessLocal``: the descriptor
     cache of lock files, the stripe mutexes, the parse memo and the history segment."""
 
-    __slots__ = ("busy", "fds", "locks_dir", "memo", "mutex", "pid", "segment", "stripes", "url")
+    __slots__ = ("busy", "fds", "locks_dir", "memo", "mutex", "segment", "stripes", "url")
 
     def __init__(self, locks_dir: str, url: str, segment: Segment) -> None:
         self.locks_dir = locks_dir
         self.url = url
         self.segment = segment
-        self.pid = os.getpid()
         self.mutex = threading.Lock()
         # flock belongs to an open file description, which all our threads share through
         # the descriptor cache: a second thread's flock would succeed at once. One mutex

@@ -3,9 +3,10 @@
 A store module (``gcs.py``, ``s3.py``) adapts one object store to :class:`ObjectStore`
 (``store.py``): read, create-if-absent, compare-and-swap, list, delete, and the server's
 clock in each response. This package owns everything else: the objects and their bodies
-(``layout.py``), expiry by the server's clock (``clock.py``), the records (``history.py``),
-what the threads of a process share (``local.py``), the doctor's checks (``doctor.py``)
-and, here, the algorithm.
+(``layout.py``), expiry by the server's clock (``clock.py``), timed reads and settled
+conditional writes (``bucket.py``), the records (``history.py``), what the threads of a
+process share (``local.py``), the doctor's checks (``doctor.py``) and, here, the
+algorithm.
 
 Writes
     A lock object is written only by create-if-absent or by a swap conditional on the
@@ -31,29 +32,25 @@ Waiting
 
 from __future__ import annotations
 
-import contextlib
-import json
 import random
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from celery_dlock.backends.base import (
     Capabilities,
     Check,
-    Clock,
     LockBackend,
-    ProcessLocal,
-    retried,
+    MonotonicClock,
+    Place,
     validate_ttl,
 )
-from celery_dlock.backends.objectstore import clock as server_clocks
+from celery_dlock.backends.common import retried
 from celery_dlock.backends.objectstore import history as records
+from celery_dlock.backends.objectstore.bucket import Bucket
 from celery_dlock.backends.objectstore.clock import (
-    CALIBRATED,
     ServerClock,
     ServerNow,
     maybe_expired,
@@ -63,12 +60,9 @@ from celery_dlock.backends.objectstore.doctor import checks
 from celery_dlock.backends.objectstore.layout import (
     Layout,
     LockState,
-    encode,
-    keeps_result,
-    lock_body,
     us,
+    with_success,
 )
-from celery_dlock.backends.objectstore.local import Local
 from celery_dlock.backends.objectstore.store import (
     Found,
     ObjectStore,
@@ -76,7 +70,6 @@ from celery_dlock.backends.objectstore.store import (
     UnsureWrite,
     Written,
 )
-from celery_dlock.errors import BackendError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = [
@@ -91,8 +84,6 @@ __all__ = [
 
 
 _DAY = 86400.0
-_CALIBRATION_STEP = 0.04
-_CALIBRATION_BUDGET = 2.5
 #: ``wait`` polls first after this, then doubles up to the cap (jittered).
 _POLL_FIRST = 0.05
 _POLL_CAP = 1.0
@@ -101,10 +92,6 @@ _ATTEMPTS = 4
 #: ``reap`` copies a lost record to history only if it is younger than this: older ones
 #: may have been pruned on purpose.
 _REPAIR_WINDOW = 3600.0
-#: Newest successes kept per lock object (by task name).
-_SUCCESSES_KEPT = 8
-
-Reply = TypeVar("Reply", Found, Written)
 
 
 class ObjectStoreBackend(LockBackend):
@@ -133,15 +120,21 @@ class ObjectStoreBackend(LockBackend):
         prefix: str = "",
         *,
         gc_after: float = _DAY,
-        clock: Clock | None = None,
+        clock: MonotonicClock | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.gc_after = float(gc_after)
-        self.clock: Clock = clock or time.monotonic
+        self.clock: MonotonicClock = clock or time.monotonic
         self.layout = Layout(self.prefix)
-        self._stores: ProcessLocal[ObjectStore] = ProcessLocal(self._open_store, _close_store)
-        self._local: ProcessLocal[Local] = ProcessLocal(Local)
+        self.objects = Bucket(
+            self._open_store,
+            self._endpoint,
+            self.clock,
+            lambda: self.url,
+            probe=self.layout.probe,
+            floor=self.layout.floor,
+        )
 
     @abstractmethod
     def _open_store(self) -> ObjectStore:
@@ -153,137 +146,28 @@ class ObjectStoreBackend(LockBackend):
 
     def store(self) -> ObjectStore:
         """This process's adapter of the bucket."""
-        return self._stores.get()
-
-    def close(self) -> None:
-        self._stores.reset()
-
-    # -- I/O, timed against the server's clock -------------------------------------------------
+        return self.objects.store()
 
     @property
     def server_clock(self) -> ServerClock:
-        return server_clocks.shared(self._endpoint(), self.clock)
+        return self.objects.server_clock
 
-    def _timed(self, call: Callable[[], Reply]) -> Reply:
-        sent = self.clock()
-        reply = call()
-        self.server_clock.observe(reply.stamp, sent, self.clock())
-        return reply
-
-    def _read(self, name: str) -> Found:
-        store = self.store()
-        return self._timed(lambda: store.read(name))
-
-    def _create(self, name: str, body: bytes) -> Written:
-        store = self.store()
-        return self._timed(lambda: store.create(name, body))
-
-    def _decode(self, found: Found, name: str) -> LockState | None:
-        return LockState.decode(found, name, self.url)
-
-    def _now(self) -> ServerNow:
-        now = self.server_clock.now()
-        if now is None:
-            self._read(self.layout.probe)
-            now = self.server_clock.now()
-        if now is None:
-            raise BackendError(
-                "the object store sent no Date header: expiry cannot be judged by its clock",
-                self.url,
-            )
-        return now
-
-    def _calibrate(self) -> None:
-        """Narrow the server clock's window by reading around a change of its ``Date``
-        (at most ~2.5 s; once a window is narrow, ordinary traffic keeps it so)."""
-        deadline = time.monotonic() + _CALIBRATION_BUDGET
-        while self.server_clock.uncertainty > CALIBRATED and time.monotonic() < deadline:
-            self._read(self.layout.probe)
-            time.sleep(_CALIBRATION_STEP)
-
-    # -- conditional writes -----------------------------------------------------------------------
-
-    def _put(
-        self, name: str, body: bytes, version: str | None, write: str
-    ) -> tuple[str | None, Found | None]:
-        """Create (``version`` None) or swap ``name``; settle a lost answer by reading back.
-
-        Returns:
-            ``(version, None)`` if our body is now the object's, else ``(None, found)`` with
-            what the object holds now.
-
-        Raises:
-            BackendError: the write may still be in flight (the object is unchanged and the
-                request failed without an answer).
-        """
-        store = self.store()
-        unsure: UnsureWrite | None = None
-        try:
-            if version is None:
-                written = self._timed(lambda: store.create(name, body))
-            else:
-                written = self._timed(lambda: store.swap(name, body, version))
-            if written.version is not None:
-                return written.version, None
-        except UnsureWrite as exc:
-            unsure = exc
-        # A 412 may answer the client library's retry of our own write that had landed.
-        found = self._read(name)
-        try:
-            current = json.loads(found.body) if found.body is not None else None
-        except ValueError:
-            current = None
-        if isinstance(current, dict) and current.get("write") == write:
-            return found.version, None
-        if unsure is not None and found.version == version:
-            raise BackendError(
-                f"a write to {name!r} failed without an answer and may still take effect",
-                self.url,
-            ) from unsure
-        return None, found
-
-    def _write_state(
-        self,
-        name: str,
-        previous: LockState | None,
-        key: str,
-        fence: int,
-        lease: Lease | None,
-        *,
-        freed_at: float | None = None,
-        ended: dict[str, Any] | None = None,
-        successes: dict[str, dict[str, Any]] | None = None,
-    ) -> tuple[LockState | None, Found | None]:
-        """Write a lock object over ``previous`` (None: create it). ``ended`` and
-        ``successes`` default to those of ``previous`` (carried forward).
-
-        Returns:
-            ``(state, None)`` if written, else ``(None, found)``: what is there now.
-        """
-        write = new_token()
-        if ended is None and previous is not None:
-            ended = previous.ended
-        if successes is None:
-            successes = {} if previous is None else previous.successes
-        body = lock_body(
-            key, fence, lease, write=write, freed_at=freed_at, ended=ended, successes=successes
-        )
-        old = None if previous is None else previous.version
-        version, found = self._put(name, body, old, write)
-        if version is None:
-            return None, found
-        state = LockState(key, fence, lease, freed_at, write, ended, successes, version)
-        self._local.get().saw(name, state)
-        return state, None
+    def close(self) -> None:
+        self.objects.close()
 
     # -- acquire -------------------------------------------------------------------------------
 
     def try_acquire(
-        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
     ) -> Lease | None:
         ttl = validate_ttl(ttl)
         name = self.layout.lock(key)
-        with self._local.get().stripe(name):
+        with self.objects.local.get().stripe(name):
             return self._attempt(name, key, holder, ttl, replace)
 
     def _attempt(
@@ -291,34 +175,34 @@ class ObjectStoreBackend(LockBackend):
     ) -> Lease | None:
         # A key this process saw free is swapped at once; a stale guess fails its
         # condition and costs the read it saved.
-        previous = self._local.get().free_state(name)
+        previous = self.objects.local.get().free_state(name)
         date: float | None = None
         if previous is None:
-            found = self._read(name)
-            previous, date = self._decode(found, name), found.stamp.date
+            found = self.objects.read(name)
+            previous, date = self.objects.decode(found, name), found.stamp.date
         for _ in range(_ATTEMPTS):
-            now = self._now()
+            now = self.objects.now()
             record: Record | None = None
-            fence = self._floor() + 1 if previous is None else previous.fence + 1
+            fence = self.objects.floor() + 1 if previous is None else previous.fence + 1
             held = None if previous is None else previous.lease
             if held is not None and replace is not None and held.token == replace:
                 record = retried(held, holder, _released_at(held, now))
             elif held is not None:
                 if verdict(held, now, date) != "expired":
-                    self._local.get().saw(name, previous)
+                    self.objects.local.get().saw(name, previous)
                     return None
                 record = _record(held, now, Outcome.EXPIRED, problem="expired")
             expires_at = None if ttl is None else us(now.high + ttl)
             lease = Lease(key, new_token(), fence, holder, us(now.low), expires_at)
             ended = None if record is None else record.to_dict()
-            state, other = self._write_state(name, previous, key, fence, lease, ended=ended)
+            state, other = self.objects.write_state(name, previous, key, fence, lease, ended=ended)
             if state is not None:
                 if ended is not None:
                     self._flush(ended)
                 return state.lease
             # Another writer was first: judge again what is there now.
             assert other is not None
-            previous, date = self._decode(other, name), other.stamp.date
+            previous, date = self.objects.decode(other, name), other.stamp.date
         return None
 
     # -- release, renew, force -------------------------------------------------------------------
@@ -328,9 +212,9 @@ class ObjectStoreBackend(LockBackend):
         last saw if it held that lease (a stale guess fails its write's condition), else
         read."""
         name = self.layout.lock(lease.key)
-        state = self._local.get().holding(name, lease.token)
-        if state is None or self.server_clock.now() is None:
-            state = self._decode(self._read(name), name)
+        state = self.objects.local.get().holding(name, lease.token)
+        if state is None or self.objects.server_clock.now() is None:
+            state = self.objects.decode(self.objects.read(name), name)
         if state is None or state.lease is None or state.lease.token != lease.token:
             return None
         return state
@@ -353,10 +237,10 @@ class ObjectStoreBackend(LockBackend):
             lease = state.lease
             assert lease is not None
             record = _record(
-                lease, self._now(), outcome, problem=problem, details=details, result=result
+                lease, self.objects.now(), outcome, problem=problem, details=details, result=result
             )
             data = record.to_dict()
-            written, found = self._write_state(
+            written, found = self.objects.write_state(
                 name,
                 state,
                 state.key,
@@ -364,14 +248,14 @@ class ObjectStoreBackend(LockBackend):
                 None,
                 freed_at=record.released_at,
                 ended=data,
-                successes=_with_success(state.successes, data),
+                successes=with_success(state.successes, data),
             )
             if written is not None:
                 self._flush(data)
-                self._local.get().wake_one(name)
+                self.objects.local.get().wake_one(name)
                 return record
             assert found is not None
-            current = self._decode(found, name)
+            current = self.objects.decode(found, name)
             if current is None or current.lease is None or current.lease.token != lease.token:
                 return None
             state = current
@@ -388,7 +272,7 @@ class ObjectStoreBackend(LockBackend):
         state = self._ours(lease)
         if state is None or state.lease is None:
             return None
-        if maybe_expired(state.lease, self._now()):
+        if maybe_expired(state.lease, self.objects.now()):
             self._end(state, Outcome.EXPIRED, "expired")
             return None
         return self._end(state, outcome, problem, details, result)
@@ -400,41 +284,34 @@ class ObjectStoreBackend(LockBackend):
         for _ in range(_ATTEMPTS):
             if state is None or state.lease is None:
                 return None
-            now = self._now()
+            now = self.objects.now()
             if maybe_expired(state.lease, now):
                 self._end(state, Outcome.EXPIRED, "expired")
                 return None
             expires_at = None if ttl is None else us(now.high + ttl)
             renewed = replace(state.lease, expires_at=expires_at)
-            written, found = self._write_state(name, state, state.key, state.fence, renewed)
+            written, found = self.objects.write_state(name, state, state.key, state.fence, renewed)
             if written is not None:
                 return written.lease
             assert found is not None
-            current = self._decode(found, name)
+            current = self.objects.decode(found, name)
             if current is None or current.lease is None or current.lease.token != lease.token:
                 return None
             state = current
         return None
 
-    def force_release(self, key: str, reason: str) -> Record | None:
-        name = self.layout.lock(key)
-        state = self._decode(self._read(name), name)
-        if state is None or state.lease is None:
-            return None
-        return self._end(state, Outcome.FORCED, "forced", reason)
-
     # -- looking -------------------------------------------------------------------------------
 
     def get(self, key: str) -> Lease | None:
         name = self.layout.lock(key)
-        state = self._decode(self._read(name), name)
-        self._local.get().saw(name, state)
+        state = self.objects.decode(self.objects.read(name), name)
+        self.objects.local.get().saw(name, state)
         return None if state is None else state.lease
 
     def leases(self, prefix: str = "") -> list[Lease]:
         found = []
         for name in self.store().names(self.layout.locks_of(prefix)):
-            state = self._decode(self._read(name), name)
+            state = self.objects.decode(self.objects.read(name), name)
             if state is not None and state.lease is not None and state.key.startswith(prefix):
                 found.append(state.lease)
         return sorted(found, key=lambda lease: lease.key)
@@ -447,22 +324,22 @@ class ObjectStoreBackend(LockBackend):
         for name in self.store().names(self.layout.locks):
             if len(reaped) >= limit:
                 break
-            found = self._read(name)
-            state = self._decode(found, name)
+            found = self.objects.read(name)
+            state = self.objects.decode(found, name)
             if state is None:
                 continue
             if state.lease is None:
                 self._tidy(name, state)
                 continue
-            judged = verdict(state.lease, self._now(), found.stamp.date)
+            judged = verdict(state.lease, self.objects.now(), found.stamp.date)
             if judged == "unsure" and not calibrated:
-                self._calibrate()
+                self.objects.calibrate()
                 calibrated = True
-                found = self._read(name)
-                state = self._decode(found, name)
+                found = self.objects.read(name)
+                state = self.objects.decode(found, name)
                 if state is None or state.lease is None:
                     continue
-                judged = verdict(state.lease, self._now(), found.stamp.date)
+                judged = verdict(state.lease, self.objects.now(), found.stamp.date)
             if judged == "expired":
                 record = self._end(state, Outcome.EXPIRED, "expired")
                 if record is not None:
@@ -472,7 +349,7 @@ class ObjectStoreBackend(LockBackend):
     def _tidy(self, name: str, state: LockState) -> None:
         """Copy a free lock object's last record to history if nobody did (its writer died
         in between), and collect the key if it has been free for ``gc_after``."""
-        now = self._now()
+        now = self.objects.now()
         ended = state.ended
         if ended is not None and now.low - float(ended["released_at"]) < _REPAIR_WINDOW:
             self._flush(ended)
@@ -484,35 +361,9 @@ class ObjectStoreBackend(LockBackend):
         fence floor) and its results (under ``success/``)."""
         for success in state.successes.values():
             self._flush(success, history=False)
-        self._raise_floor(state.fence)
+        self.objects.raise_floor(state.fence)
         if self.store().delete_if(name, state.version):
-            self._local.get().saw(name, None)
-
-    def _floor(self) -> int:
-        found = self._read(self.layout.floor)
-        if found.body is None:
-            return 0
-        try:
-            return int(json.loads(found.body)["fence"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BackendError(f"{self.layout.floor!r} is corrupt ({exc})", self.url) from exc
-
-    def _raise_floor(self, fence: int) -> None:
-        """Raise ``fence-floor`` to at least ``fence`` (compare-and-swap, retried on races),
-        before a lock object with that fence is deleted."""
-        found = self._read(self.layout.floor)
-        for _ in range(2 * _ATTEMPTS):
-            current = 0 if found.body is None else int(json.loads(found.body)["fence"])
-            if current >= fence:
-                return
-            write = new_token()
-            body = encode({"fence": fence, "write": write})
-            version, other = self._put(self.layout.floor, body, found.version, write)
-            if version is not None:
-                return
-            assert other is not None
-            found = other
-        raise BackendError("could not raise the fence floor: too many concurrent changes", self.url)
+            self.objects.local.get().saw(name, None)
 
     # -- history (history.py) ---------------------------------------------------------------------
 
@@ -542,24 +393,25 @@ class ObjectStoreBackend(LockBackend):
 
     # -- waiting -------------------------------------------------------------------------------
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Poll ``key`` (reads only) with jittered, doubling pauses up to 1 s, until it is
         free or its lease expired, or ``timeout`` seconds passed. A release made by this
         process (another thread) ends a pause at once."""
         deadline = time.monotonic() + timeout
         name = self.layout.lock(key)
-        with self._local.get().waiting(name) as woken:
+        with self.objects.local.get().waiting(name) as woken:
             self._poll(name, deadline, woken)
+        return None  # no queue: nothing to keep
 
     def _poll(self, name: str, deadline: float, woken: threading.Event) -> None:
         pause = _POLL_FIRST
         while True:
-            found = self._read(name)
-            state = self._decode(found, name)
-            self._local.get().saw(name, state)
+            found = self.objects.read(name)
+            state = self.objects.decode(found, name)
+            self.objects.local.get().saw(name, state)
             if state is None or state.lease is None:
                 return
-            now = self._now()
+            now = self.objects.now()
             if verdict(state.lease, now, found.stamp.date) == "expired":
                 return
             remaining = deadline - time.monotonic()
@@ -574,9 +426,9 @@ class ObjectStoreBackend(LockBackend):
 
     # -- the doctor ----------------------------------------------------------------------------
 
-    def server_time(self) -> float | None:
-        self._read(self.layout.probe)
-        now = self._now()
+    def server_time(self) -> float:
+        self.objects.read(self.layout.probe)
+        now = self.objects.now()
         return (now.low + now.high) / 2
 
     def diagnose(self) -> list[Check]:
@@ -601,21 +453,3 @@ def _record(
     """The record of ``lease`` ending now (by the server's clock)."""
     released_at = _released_at(lease, now)
     return Record(lease, released_at, Outcome(outcome), problem, details, result)
-
-
-def _with_success(
-    successes: dict[str, dict[str, Any]], record: dict[str, Any]
-) -> dict[str, dict[str, Any]]:
-    """``successes`` with ``record`` as its task's newest, if it answers ``once``; at most
-    the newest 8 task names are kept in the lock object (the rest stay in ``success/``)."""
-    if not keeps_result(record):
-        return successes
-    task_name = str(record["lease"]["holder"]["task_name"])
-    updated = {**successes, task_name: record}
-    newest = sorted(updated.items(), key=lambda item: -float(item[1]["released_at"]))
-    return dict(newest[:_SUCCESSES_KEPT])
-
-
-def _close_store(store: ObjectStore) -> None:
-    with contextlib.suppress(Exception):
-        store.close()

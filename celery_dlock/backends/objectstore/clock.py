@@ -21,7 +21,7 @@ import os
 import threading
 from typing import Literal, NamedTuple
 
-from celery_dlock.backends.base import Clock
+from celery_dlock.backends.base import MonotonicClock
 from celery_dlock.backends.objectstore.store import Stamp
 from celery_dlock.records import Lease
 
@@ -62,7 +62,7 @@ class ServerClock:
     over from the newest response if the local clock steps (the windows stop overlapping).
     """
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: MonotonicClock) -> None:
         self.clock = clock
         self._mutex = threading.Lock()
         self._low = -math.inf  # bounds of server time - local time, as of local time _at
@@ -107,11 +107,11 @@ class ServerClock:
         return math.inf if now is None else now.high - now.low
 
 
-_CLOCKS: dict[tuple[int, str, Clock], ServerClock] = {}
+_CLOCKS: dict[tuple[int, str, MonotonicClock], ServerClock] = {}
 _CLOCKS_MUTEX = threading.Lock()
 
 
-def shared(endpoint: str, clock: Clock) -> ServerClock:
+def shared(endpoint: str, clock: MonotonicClock) -> ServerClock:
     """The :class:`ServerClock` of ``endpoint`` measured with ``clock``, one per process."""
     index = (os.getpid(), endpoint, clock)
     found = _CLOCKS.get(index)

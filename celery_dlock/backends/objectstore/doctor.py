@@ -2,7 +2,7 @@
 
 An S3-compatible store that ignores ``If-None-Match``/``If-Match`` (some do) gives no mutual
 exclusion at all, and one that ignores conditional deletes (fake-gcs-server, measured) makes
-the janitor's garbage collection unsafe. The checks write one object under ``doctor/`` and
+the janitor's collect unsafe. The checks write one object under ``doctor/`` and
 delete it.
 """
 
@@ -57,12 +57,12 @@ def checks(backend: ObjectStoreBackend) -> list[Check]:
             kept,
             "a delete on a stale version was refused"
             if kept
-            else "a delete on a stale version went through: the janitor's garbage collection "
+            else "a delete on a stale version went through: the janitor's collect "
             "could delete a lock object taken meanwhile; set gc_after very high here",
         )
     )
     store.delete(name)
-    backend._calibrate()
+    backend.objects.calibrate()
     uncertainty = backend.server_clock.uncertainty
     found.append(
         Check(

@@ -31,7 +31,7 @@ def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool 
     """Write ``record`` (a ``Record.to_dict()``) to ``history/``, and to ``success/`` if it
     answers ``once``; create-if-absent, so writing twice is harmless. A failure is logged:
     the record stays in its lock object (``ended``) until ``reap`` copies it."""
-    local = backend._local.get()
+    local = backend.objects.local.get()
     token = str(record["lease"]["token"])
     if local.flushed(token):
         return
@@ -41,7 +41,7 @@ def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool 
     body = encode(record)
     try:
         for name in names:
-            backend._create(name, body)
+            backend.objects.create(name, body)
     except BackendError as exc:
         logger.warning("record of %s not yet in history: %s", record["lease"]["key"], exc)
         return
@@ -53,9 +53,9 @@ def add(backend: ObjectStoreBackend, record: Record) -> None:
     """A record that ended no lease here (a skipped attempt): history, and ``success/`` if
     it answers ``once``."""
     data = record.to_dict()
-    backend._create(backend.layout.history_name(data), encode(data))
+    backend.objects.create(backend.layout.history_name(data), encode(data))
     if keeps_result(data):
-        backend._create(backend.layout.success_name(data), encode(data))
+        backend.objects.create(backend.layout.success_name(data), encode(data))
 
 
 def query(
@@ -84,7 +84,7 @@ def query(
             key_name is not None and parsed.key_name != key_name
         ):
             continue
-        body = backend._read(name).body
+        body = backend.objects.read(name).body
         if body is None:
             continue  # pruned meanwhile
         record = Record.from_dict(json.loads(body))
@@ -96,11 +96,11 @@ def query(
 def last_success(backend: ObjectStoreBackend, key: str, task_name: str) -> Record | None:
     """From the lock object (one read), else the newest object under ``success/``."""
     name = backend.layout.lock(key)
-    state = backend._decode(backend._read(name), name)
+    state = backend.objects.decode(backend.objects.read(name), name)
     if state is not None and task_name in state.successes:
         return Record.from_dict(state.successes[task_name])
     for success in backend.store().names(backend.layout.success_dir(key, task_name)):
-        body = backend._read(success).body
+        body = backend.objects.read(success).body
         if body is not None:
             return Record.from_dict(json.loads(body))
     return None
@@ -116,7 +116,9 @@ def remember(backend: ObjectStoreBackend, record: Record) -> bool:
     if last_success(backend, record.key, task_name) is not None:
         return False
     data = record.to_dict()
-    return backend._create(backend.layout.success_name(data), encode(data)).version is not None
+    return (
+        backend.objects.create(backend.layout.success_name(data), encode(data)).version is not None
+    )
 
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:

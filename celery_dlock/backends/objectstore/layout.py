@@ -31,7 +31,16 @@ from celery_dlock.backends.objectstore.store import Found
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Lease
 
-__all__ = ["HistoryName", "Layout", "LockState", "encode", "keeps_result", "lock_body", "us"]
+__all__ = [
+    "HistoryName",
+    "Layout",
+    "LockState",
+    "encode",
+    "keeps_result",
+    "lock_body",
+    "us",
+    "with_success",
+]
 
 _MICRO = 1_000_000
 _HISTORY_DIGITS = 17
@@ -183,3 +192,20 @@ def lock_body(
             "successes": successes,
         }
     )
+
+
+#: Newest successes kept per lock object (by task name).
+_SUCCESSES_KEPT = 8
+
+
+def with_success(
+    successes: dict[str, dict[str, Any]], record: dict[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """``successes`` with ``record`` as its task's newest, if it answers ``once``; at most
+    the newest 8 task names are kept in the lock object (the rest stay in ``success/``)."""
+    if not keeps_result(record):
+        return successes
+    task_name = str(record["lease"]["holder"]["task_name"])
+    updated = {**successes, task_name: record}
+    newest = sorted(updated.items(), key=lambda item: -float(item[1]["released_at"]))
+    return dict(newest[:_SUCCESSES_KEPT])

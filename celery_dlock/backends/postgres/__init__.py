@@ -43,7 +43,7 @@ Guarantees
     durability: the lock session commits asynchronously unless ``synchronous_commit`` is on.
     Mutual exclusion does not depend on it: the UNLOGGED locks table and the advisory locks
     both die with a server crash. A crash of the server can lose the last ~0.6 s
-    (3 x ``wal_writer_delay``) of history records; ``once`` success markers are committed
+    (3 x ``wal_writer_delay``) of history records; ``once`` kept results are committed
     durably all the same (their release waits for the WAL flush), so a task that succeeded
     never runs again because of a crash. Fences never
     repeat: a crash empties the UNLOGGED ``fence_guard`` table, and the first session after it
@@ -73,22 +73,27 @@ from psycopg.types.numeric import Int8
 from celery_dlock.backends.base import (
     Capabilities,
     LockBackend,
-    ProcessLocal,
+    Place,
     remembered,
     success_task,
     validate_ttl,
 )
+from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.backends.postgres import rows, transactional
 from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url, translate
-from celery_dlock.backends.postgres.recovery import failed, refuse, resolve_release, undo_acquire
-from celery_dlock.backends.postgres.session import Client, Session, migrate
-from celery_dlock.errors import AlreadySucceededError, BackendError
+from celery_dlock.backends.postgres.recovery import (
+    SessionEnded,
+    refuse,
+    resolve_release,
+    undo_acquire,
+    using_session,
+)
+from celery_dlock.backends.postgres.session import Client, Queued, Session, migrate
+from celery_dlock.errors import AlreadySucceededError
 from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["LIBPQ_PARAMETERS", "PostgresBackend"]
 
-#: Bytes of UTF-8 kept of a record's ``problem`` (an exception's type name, normally).
-PROBLEM_LIMIT = 1024
 _PRUNE_BATCH = 10_000
 #: Seconds between sweeps of the advisory locks a session holds (see ``_sweep``).
 _SWEEP_EVERY = 1.0
@@ -113,7 +118,9 @@ class PostgresBackend(LockBackend):
         self.url = self._config.url
         self.schema = self._config.statements.names.schema
         self._sql = self._config.statements
-        self._clients: ProcessLocal[Client] = ProcessLocal(lambda: Client(self._config))
+        self._clients: ProcessLocal[Client] = ProcessLocal(
+            lambda: Client(self._config), forget=Client.forget_inherited
+        )
         self._holder_cache: tuple[Holder, str] | None = None
 
     @classmethod
@@ -132,28 +139,30 @@ class PostgresBackend(LockBackend):
     # -- acquire and release -------------------------------------------------------------
 
     def try_acquire(
-        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
     ) -> Lease | None:
         ttl = validate_ttl(ttl)
         params: dict[str, Any] = {"key": key, "token": new_token(), "ttl": ttl}
         params |= {"holder": self._holder_json(holder), "replace": replace}
         client = self._clients.get()
-        baton = client.take_baton(key)
+        queued = Queued.of(place, key)
         # A process that has just released a key for which others wait lets the first of
         # them have it, instead of taking it straight back (see ``release``).
-        polite = baton is None and replace is None and client.yielding(key)
+        polite = queued is None and replace is None and client.yielding(key)
         try:
             with client.mutex:
                 row = self._acquire(client, holder, params, polite=polite)
         except BaseException:
-            if baton is not None:
-                client.end_wait(baton)
+            if queued is not None:
+                queued.leave()
             raise
-        if baton is not None:
-            if row is None:
-                client.keep_baton(key, baton)  # still first in line for the key
-            else:
-                client.end_wait_later(baton)  # the next waiter now queues on us, server-side
+        if queued is not None and row is not None:
+            queued.hand_on()  # the next waiter now queues on us, server-side
         if row is None:
             return None
         return Lease(key, params["token"], row[0], holder, row[1], row[2])
@@ -162,19 +171,18 @@ class PostgresBackend(LockBackend):
         self, client: Client, holder: Holder, params: dict[str, Any], *, polite: bool
     ) -> Any:
         """One attempt under the session mutex: (fence, acquired_at, expires_at) or None."""
-        session = client.open()
         try:
-            if session.held and time.monotonic() - session.swept > _SWEEP_EVERY:
-                self._sweep(session)
-            statement = self._sql.acquire_politely if polite else self._sql.acquire
-            row = session.one(statement, params)
-            if row is None and polite:
-                return None  # held, or left to a waiter: either way, not now
-            if row is None:  # held: take over if its holder is gone, expired or replaced
-                row = self._take_over(session, holder, params)
-        except psycopg.Error as exc:
-            failed(client, session, exc, self.url, "acquire")
-            raise undo_acquire(client, params, exc, self.url) from exc
+            with using_session(client, self.url, "acquire") as session:
+                if session.held and time.monotonic() - session.swept > _SWEEP_EVERY:
+                    self._sweep(session)
+                statement = self._sql.acquire_politely if polite else self._sql.acquire
+                row = session.one(statement, params)
+                if row is None and polite:
+                    return None  # held, or left to a waiter: either way, not now
+                if row is None:  # held: take over if its holder is gone, expired or replaced
+                    row = self._take_over(session, holder, params)
+        except SessionEnded as ended:
+            raise undo_acquire(client, params, ended, self.url) from ended.__cause__
         if row is None:
             return None
         fence = int(row[0])
@@ -218,7 +226,7 @@ class PostgresBackend(LockBackend):
         result: Any = None,
     ) -> Record | None:
         outcome = Outcome(outcome)
-        problem = rows.text(problem, PROBLEM_LIMIT)
+        problem = rows.text(problem, rows.PROBLEM_LIMIT)
         details = rows.text(details, DETAILS_LIMIT)
         result_json, result = rows.result_json(result)
         params: dict[str, Any] = {"key": lease.key, "token": lease.token}
@@ -231,7 +239,6 @@ class PostgresBackend(LockBackend):
         else:
             statement = self._sql.release
         client = self._clients.get()
-        client.drop_baton()
         with client.mutex:
             row = self._release(client, lease, outcome, statement, params)
         if row is None or isinstance(row, Record):
@@ -256,15 +263,14 @@ class PostgresBackend(LockBackend):
         if lease.fence in client.lost:
             client.lost.discard(lease.fence)
             return None
-        session = client.open()
-        params["unlock"] = unlock = lease.fence in session.held
         try:
-            row = session.one(statement, params)
-            if row is None and unlock:  # not ours any more, but its lock still is
-                session.one(self._sql.unlock, {"fence": lease.fence})
-        except psycopg.Error as exc:
-            failed(client, session, exc, self.url, "release")
-            return resolve_release(client, lease, outcome, exc, self.url)
+            with using_session(client, self.url, "release") as session:
+                params["unlock"] = unlock = lease.fence in session.held
+                row = session.one(statement, params)
+                if row is None and unlock:  # not ours any more, but its lock still is
+                    session.one(self._sql.unlock, {"fence": lease.fence})
+        except SessionEnded as ended:
+            return resolve_release(client, lease, outcome, ended, self.url)
         if unlock:
             session.held.pop(lease.fence, None)
         return row
@@ -273,10 +279,14 @@ class PostgresBackend(LockBackend):
         outcome = Outcome(record.outcome)
         success = remembered(outcome, record.result, record.lease.holder.task_name) is not None
         statement = self._sql.add_record_success if success else self._sql.add_record
-        self._write(statement, self._record_params(record), "add_record")
+        self._write(
+            statement,
+            self._params(record),
+            "add_record",
+        )
 
     def remember(self, record: Record) -> bool:
-        params = self._record_params(record)
+        params = self._params(record)
         params["task_name"] = success_task(record)
         return self._write(self._sql.remember, params, "remember") == 1
 
@@ -291,7 +301,7 @@ class PostgresBackend(LockBackend):
                 roll back: its effect would be a second one).
             ConfigurationError: ``connection`` does not reach this store's tables.
         """
-        params = self._record_params(record)
+        params = self._params(record)
         params["task_name"] = success_task(record)
         params["fence"] = record.lease.fence
         tables = f"the tables of schema {self.schema!r} of the lock store [{self.url}]"
@@ -302,37 +312,21 @@ class PostgresBackend(LockBackend):
             task_id = None if winner is None else winner.lease.holder.task_id
             raise AlreadySucceededError(record.key, params["task_name"], fence, task_id)
 
-    def _record_params(self, record: Record) -> dict[str, Any]:
-        lease = record.lease
-        result_json, _ = rows.result_json(record.result)
-        return {
-            "token": lease.token,
-            "key": lease.key,
-            "fence": Int8(lease.fence),
-            "holder": self._holder_json(lease.holder),
-            "acquired_at": rows.timestamp(lease.acquired_at),
-            "expires_at": None if lease.expires_at is None else rows.timestamp(lease.expires_at),
-            "released_at": rows.timestamp(record.released_at),
-            "outcome": Outcome(record.outcome).value,
-            "problem": rows.text(record.problem, PROBLEM_LIMIT),
-            "details": rows.text(record.details, DETAILS_LIMIT),
-            "result": result_json,
-        }
+    def _params(self, record: Record) -> dict[str, Any]:
+        return rows.record_params(record, self._holder_json(record.lease.holder))
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)
         params = {"key": lease.key, "token": lease.token, "ttl": ttl}
         client = self._clients.get()
-        client.drop_baton()
         with client.mutex:
             if lease.fence in client.lost:
                 return None
-            session = client.open()
             try:
-                row = session.one(self._sql.renew, params)
-            except psycopg.Error as exc:
-                failed(client, session, exc, self.url, "renew")
-                return None  # the session ended: whatever landed, the lease died with it
+                with using_session(client, self.url, "renew") as session:
+                    row = session.one(self._sql.renew, params)
+            except SessionEnded:
+                return None  # whatever landed, the lease died with the session
         if row is None:
             return None
         return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
@@ -368,24 +362,13 @@ class PostgresBackend(LockBackend):
     def reap(self, limit: int = 100) -> list[Record]:
         return self._clear(self._sql.reap, {"limit": Int8(limit)}, "reap")
 
-    def force_release(self, key: str, reason: str) -> Record | None:
-        params = {"key": key, "reason": rows.text(reason, DETAILS_LIMIT)}
-        records = self._clear(self._sql.force_release, params, "force_release")
-        return records[0] if records else None
-
     def _clear(self, statement: str, params: dict[str, Any], what: str) -> list[Record]:
         """Run a statement that clears leases and returns their records (+ an unlock column)."""
         client = self._clients.get()
-        client.drop_baton()
-        with client.mutex:
-            session = client.open()
+        with client.mutex, using_session(client, self.url, what) as session:
             params["held"] = list(session.held)
-            try:
-                session.cursor.execute(statement, params, prepare=True)
-                found = session.cursor.fetchall()
-            except psycopg.Error as exc:
-                failed(client, session, exc, self.url, what)
-                raise BackendError(f"postgres {what}: the lock session ended", self.url) from exc
+            session.cursor.execute(statement, params, prepare=True)
+            found = session.cursor.fetchall()
             for row in found:
                 if row[-1] is not None:
                     session.held.pop(int(row[2]), None)
@@ -403,63 +386,42 @@ class PostgresBackend(LockBackend):
     def _write(self, statement: str, params: dict[str, Any], what: str) -> int:
         """Run a statement on the lock session; the number of rows it changed."""
         client = self._clients.get()
-        client.drop_baton()
-        with client.mutex:
-            session = client.open()
-            try:
-                session.cursor.execute(statement, params, prepare=True)
-            except psycopg.Error as exc:
-                failed(client, session, exc, self.url, what)
-                raise BackendError(f"postgres {what}: the lock session ended", self.url) from exc
+        with client.mutex, using_session(client, self.url, what) as session:
+            session.cursor.execute(statement, params, prepare=True)
             return session.cursor.rowcount
 
     # -- waiting -------------------------------------------------------------------------
 
-    def wait(self, key: str, timeout: float) -> None:
-        self.wait_released(key, timeout)
-
-    def wait_released(self, key: str, timeout: float) -> bool:
+    def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Block until ``key``'s holder lets go (or is gone, or its lease expires), at most
         ``timeout`` seconds, woken by the server (see the module's ``wait``).
 
-        The waiter connection stays with this thread until its next call, so that its next
-        ``try_acquire`` of ``key`` goes first.
-
         Returns:
-            True if the key may be free now, False if the timeout ran out first.
+            the waiter's place in the key's queue when woken (see ``LockBackend.wait``);
+            None when the timeout ran out first (the place is left), and when every waiter
+            connection is busy (``max_waiters``: a short poll instead).
         """
         client = self._clients.get()
-        conn = client.take_baton(key)
+        queued = Queued.of(place, key)
         if timeout <= 0:
-            if conn is not None:
-                client.keep_baton(key, conn)
-            return False
+            return queued
         params = {"key": key, "ms": max(1, math.ceil(timeout * 1000))}
-        queued = conn is not None
-        conn = conn or client.check_out()
+        conn = client.check_out() if queued is None else queued.conn
         if conn is None:  # max_waiters are busy: poll
             time.sleep(min(timeout, random.uniform(0.025, 0.05)))
-            return True
+            return None
+        waiting = queued or client.place(key, conn)
         try:
             cursor = psycopg.ClientCursor(conn)
-            cursor.execute(self._sql.wait_again if queued else self._sql.wait, params)
+            cursor.execute(self._sql.wait if queued is None else self._sql.wait_again, params)
         except psycopg.Error as exc:
-            return self._waited(client, conn, key, exc)
-        client.keep_baton(key, conn)
-        return True
-
-    def _waited(self, client: Client, conn: psycopg.Connection[Any], key: str, exc: Any) -> bool:
-        """After a wait failed: False on a timeout while the key is still held."""
-        client.end_wait(conn)
-        if exc.sqlstate not in ("55P03", "57014") or conn.closed:
-            raise translate(exc, "wait", self.url) from exc
-        try:
-            # Postgres can report lock_timeout just after granting the lock (the race
-            # DistributedLock#147 found): ask pg_locks before calling it a timeout.
-            row = self._read(self._sql.still_held, {"key": key}, "wait")
-        except BackendError:
-            return False
-        return not row or not row[0][0]
+            # Leaving also lets go of a queue lock granted just before a reported timeout
+            # (the race DistributedLock#147 found); the caller tries the key again anyway.
+            waiting.leave()
+            if exc.sqlstate not in ("55P03", "57014") or conn.closed:
+                raise translate(exc, "wait", self.url) from exc
+            return None
+        return waiting
 
     # -- the process's connections -------------------------------------------------------
 
@@ -488,17 +450,15 @@ class PostgresBackend(LockBackend):
     def _read(self, statement: str, params: dict[str, Any], what: str) -> list[Any]:
         """Rows of a read-only statement; tried again on a new session if the old one ended."""
         client = self._clients.get()
-        client.drop_baton()
         with client.mutex:
             for attempt in (1, 2):
-                session = client.open()
                 try:
-                    session.cursor.execute(statement, params, prepare=True)
-                    return session.cursor.fetchall()
-                except psycopg.Error as exc:
-                    failed(client, session, exc, self.url, what)
+                    with using_session(client, self.url, what) as session:
+                        session.cursor.execute(statement, params, prepare=True)
+                        return session.cursor.fetchall()
+                except SessionEnded:
                     if attempt == 2:
-                        raise translate(exc, what, self.url) from exc
+                        raise
         raise AssertionError("unreachable")
 
     def _holder_json(self, holder: Holder) -> str:

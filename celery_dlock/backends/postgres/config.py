@@ -13,7 +13,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from celery_dlock.backends import mask_url
-from celery_dlock.backends.base import flag, url_options
+from celery_dlock.backends.common import flag, url_options
 from celery_dlock.backends.postgres.sql import Names, validate_names
 from celery_dlock.backends.postgres.statements import Statements
 from celery_dlock.errors import BackendError, ConfigurationError, DLockError

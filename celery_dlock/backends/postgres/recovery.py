@@ -4,6 +4,8 @@ is told apart from other errors, and where what may have landed is read back by 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -14,26 +16,50 @@ from celery_dlock.backends.postgres.session import Client, Session, connection_l
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["failed", "refuse", "resolve_release", "undo_acquire"]
+__all__ = ["SessionEnded", "refuse", "resolve_release", "undo_acquire", "using_session"]
 
 
-def failed(client: Client, session: Session, exc: psycopg.Error, url: str, what: str) -> None:
-    """Handle a failed statement: return if the session ended under it (its leases are lost;
-    the caller resolves what may have landed), else raise the translated error."""
-    if connection_lost(exc, session.conn):
+class SessionEnded(BackendError):
+    """The lock session ended under a statement (restart, ``pg_terminate_backend``, a broken
+    socket): its leases are lost, and what the statement did may or may not have landed.
+    The driver's error is the ``__cause__``."""
+
+
+@contextmanager
+def using_session(client: Client, url: str, what: str) -> Iterator[Session]:
+    """The lock session for the statements of operation ``what``; the caller holds
+    ``client.mutex``.
+
+    A driver error is raised translated (``translate``); one that ended the session drops
+    it first and is raised as ``SessionEnded``, for callers that resolve what may have
+    landed to catch.
+    """
+    session = client.open()
+    try:
+        yield session
+    except psycopg.Error as exc:
+        if not connection_lost(exc, session.conn):
+            raise translate(exc, what, url) from exc
         client.drop()
-        return
-    raise translate(exc, what, url) from exc
+        raise SessionEnded(f"postgres {what}: the lock session ended", url) from exc
 
 
-def undo_acquire(client: Client, params: dict[str, Any], exc: Any, url: str) -> Exception:
+def _translated(ended: SessionEnded, what: str, url: str) -> Exception:
+    """``translate`` for the driver error under ``ended``."""
+    cause = ended.__cause__
+    return translate(cause, what, url) if isinstance(cause, psycopg.Error) else ended
+
+
+def undo_acquire(
+    client: Client, params: dict[str, Any], ended: SessionEnded, url: str
+) -> Exception:
     """The session ended under an acquire: if it landed, its lease died with it. Read it back
     by token on a new session and clear it (recorded ``disconnected``); the error to raise."""
     try:
         _undo(client, client.open(), params, "the lock session was lost while acquiring")
     except (psycopg.Error, BackendError, ConfigurationError):
         client.drop()  # left for the next taker or reap(), which record it disconnected
-    return translate(exc, "acquire (the lock session ended)", url)
+    return _translated(ended, "acquire (the lock session ended)", url)
 
 
 def refuse(
@@ -60,7 +86,7 @@ def refuse(
 
 
 def resolve_release(
-    client: Client, lease: Lease, outcome: Outcome, exc: psycopg.Error, url: str
+    client: Client, lease: Lease, outcome: Outcome, ended: SessionEnded, url: str
 ) -> Record | None:
     """The session ended under a release: read the lease's record back by its token.
 
@@ -74,7 +100,7 @@ def resolve_release(
         row = session.one(statements.record_of, {"key": lease.key, "token": lease.token})
     except psycopg.Error as again:
         client.drop()
-        raise translate(again, "release (reading back)", url) from exc
+        raise translate(again, "release (reading back)", url) from ended.__cause__
     if row is None or row[7] != outcome.value:
         return None
     return rows.record(row)

@@ -7,11 +7,15 @@ import re
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from psycopg.types.numeric import Int8
+
 from celery_dlock.errors import ConfigurationError
-from celery_dlock.records import Holder, Lease, Outcome, Record, truncate_utf8
+from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, truncate_utf8
 
-__all__ = ["lease", "record", "result_json", "text", "timestamp"]
+__all__ = ["lease", "record", "record_params", "result_json", "text", "timestamp"]
 
+#: Bytes of UTF-8 kept of a record's ``problem`` (an exception's type name, normally).
+PROBLEM_LIMIT = 1024
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 
@@ -64,3 +68,22 @@ def result_json(result: Any) -> tuple[str | None, Any]:
     if "\\u0000" in dumped:  # Postgres JSON cannot hold NUL: U+FFFD, as in text
         dumped = _NUL_ESCAPE.sub(r"\1\\ufffd", dumped)
     return dumped, json.loads(dumped)
+
+
+def record_params(record: Record, holder_json: str) -> dict[str, Any]:
+    """The parameters of a statement that writes ``record`` (its holder as ``holder_json``)."""
+    lease = record.lease
+    result, _ = result_json(record.result)
+    return {
+        "token": lease.token,
+        "key": lease.key,
+        "fence": Int8(lease.fence),
+        "holder": holder_json,
+        "acquired_at": timestamp(lease.acquired_at),
+        "expires_at": None if lease.expires_at is None else timestamp(lease.expires_at),
+        "released_at": timestamp(record.released_at),
+        "outcome": Outcome(record.outcome).value,
+        "problem": text(record.problem, PROBLEM_LIMIT),
+        "details": text(record.details, DETAILS_LIMIT),
+        "result": result,
+    }

@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from psycopg.pq import ConnStatus
 
+from celery_dlock.backends.base import Place
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.prepared import PreparedStatements
 from celery_dlock.backends.postgres.sql import ddl
@@ -80,13 +81,8 @@ class Session:
 class Client:
     """This process's connections to one store. Lives as long as the backend, per process.
 
-    A waiter connection whose wait returned stays with its thread as the *baton*: its session
-    still holds the key's queue lock, so the next waiter of that key sleeps in the queue
-    instead of waking with this one. The thread's next call hands it back: once its acquire
-    is in, from a background thread (the next waiter then moves on to wait on the new holder,
-    inside the server); at once for any other call; not at all while a ``try_acquire`` of the
-    key finds it busy (the thread stays first in line). The baton holds no transaction and no
-    table lock.
+    Waiter connections are checked out for a wait and stay with the waiter as its place in
+    the key's queue (``Queued``) until it acquires or gives up.
     """
 
     def __init__(self, config: Config) -> None:
@@ -95,7 +91,6 @@ class Client:
         self.session: Session | None = None
         #: Fences of leases whose session ended: their release and renew return None.
         self.lost: set[int] = set()
-        self.batons = threading.local()
         #: key -> ``time.monotonic()`` until which this process lets the key's waiters go first.
         self.polite: dict[str, float] = {}
         self._waiter_mutex = threading.Lock()
@@ -107,7 +102,6 @@ class Client:
         self._watched: dict[int, tuple[Lease, Callable[[Lease], None]]] = {}
         self._watch_mutex = threading.Lock()
         self._watcher: threading.Thread | None = None
-        _CLIENTS.add(self)
 
     # -- the lock session (callers hold ``mutex``) -------------------------------------
 
@@ -240,32 +234,9 @@ class Client:
         self.polite.pop(key, None)
         return False
 
-    def take_baton(self, key: str) -> psycopg.Connection[Any] | None:
-        """This thread's baton if it is for ``key`` (the caller then owns it); a baton for
-        another key is handed back."""
-        baton: _Baton | None = getattr(self.batons, "held", None)
-        if baton is None:
-            return None
-        self.batons.held = None
-        baton.finalizer.detach()
-        if baton.key == key:
-            return baton.conn
-        self.end_wait(baton.conn)
-        return None
-
-    def keep_baton(self, key: str, conn: psycopg.Connection[Any]) -> None:
-        """Leave ``conn``, in the queue of ``key``, with this thread until its next call."""
-        baton = _Baton(key, conn)
-        # A thread that ends without another call must not keep its place for ever.
-        baton.finalizer = weakref.finalize(baton, self.end_wait, conn)
-        self.batons.held = baton
-
-    def drop_baton(self) -> None:
-        """Hand this thread's baton back, if it has one: its place in a queue is given up."""
-        baton: _Baton | None = getattr(self.batons, "held", None)
-        if baton is not None:
-            self.batons.held = None
-            baton.finalizer()
+    def place(self, key: str, conn: psycopg.Connection[Any]) -> Queued:
+        """A waiter's place: ``conn``, whose wait for ``key`` returned, stays in its queue."""
+        return Queued(key, conn, self)
 
     def end_wait_later(self, conn: psycopg.Connection[Any]) -> None:
         """``end_wait`` from a background thread: the caller does not wait for the round trip
@@ -334,7 +305,6 @@ class Client:
     def close(self) -> None:
         """Close this process's connections; leases of the lock session are lost, and
         waits under way in other threads fail."""
-        self.drop_baton()
         with self.mutex:
             self.drop()
         with self._waiter_mutex:
@@ -344,35 +314,61 @@ class Client:
             self._open_waiters.clear()
 
     def forget_inherited(self) -> None:
-        """In a forked child: let go of the parent's connections without touching them."""
+        """In a forked child, on the parent's client: let go of the parent's connections
+        without touching them (the child makes its own client)."""
         conns = list(self._open_waiters)
         if self.session is not None:
             conns.append(self.session.conn)
         for conn in conns:
             _detach(conn)
         self.session = None
-        self.batons = threading.local()
         self._idle_waiters = []
         self._open_waiters = set()
-        self._opening = 0
-        self._leaving = queue.SimpleQueue()
-        self._leaver = None
-        self.mutex = threading.Lock()
         self._waiter_mutex = threading.Lock()
         self._watched = {}
         self._watch_mutex = threading.Lock()
         self._watcher = None
 
 
-class _Baton:
-    """A waiter connection in the queue of ``key``, kept by the thread whose wait returned."""
+class Queued(Place):
+    """A waiter connection in the queue of ``key`` whose wait returned: its session still
+    holds the key's queue lock, so the waiters behind it sleep on instead of waking with it.
+    The connection holds no transaction and no table lock. Left (``leave``, or when
+    collected: a caller that drops it must not keep its place for ever) it leaves the
+    queue and goes back to the client's idle waiters; used up by an acquire (``hand_on``)
+    it leaves from a background thread, so that the next waiter moves up to wait on the new
+    holder, inside the server, while the acquirer goes on."""
 
-    __slots__ = ("__weakref__", "conn", "finalizer", "key")
+    __slots__ = ("_client", "_leave", "conn", "key")
 
-    def __init__(self, key: str, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, key: str, conn: psycopg.Connection[Any], client: Client) -> None:
         self.key = key
         self.conn = conn
-        self.finalizer: weakref.finalize[Any, Any]
+        self._client = client
+        self._leave = weakref.finalize(self, client.end_wait, conn)
+
+    @classmethod
+    def of(cls, place: Place | None, key: str) -> Queued | None:
+        """``place`` if it is a place of this store in the queue of ``key`` still held; a
+        place for another key is left."""
+        if not isinstance(place, Queued) or not place.held:
+            return None
+        if place.key != key:
+            place.leave()
+            return None
+        return place
+
+    @property
+    def held(self) -> bool:
+        return self._leave.alive
+
+    def leave(self) -> None:
+        self._leave()
+
+    def hand_on(self) -> None:
+        """Used up by an acquire of the key: leave the queue from a background thread."""
+        if self._leave.detach() is not None:
+            self._client.end_wait_later(self.conn)
 
 
 def migrate(config: Config) -> None:
@@ -402,7 +398,6 @@ def _close_quietly(conn: psycopg.Connection[Any]) -> None:
 #: Connections inherited from a parent process, kept referenced so that they are never
 #: garbage collected (psycopg would warn) in the child.
 _INHERITED: list[psycopg.Connection[Any]] = []
-_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
 
 
 def _detach(conn: psycopg.Connection[Any]) -> None:
@@ -418,11 +413,3 @@ def _detach(conn: psycopg.Connection[Any]) -> None:
         finally:
             os.close(null)
     _INHERITED.append(conn)
-
-
-def _after_fork_in_child() -> None:
-    for client in list(_CLIENTS):
-        client.forget_inherited()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -121,7 +121,7 @@ def ddl(names: Names) -> list[str]:
     """The idempotent statements that create the schema (run by ``migrate()``).
 
     The locks table is UNLOGGED: its rows are only meaningful while their holders' sessions
-    live, and a crash ends every session. History and success markers are normal tables.
+    live, and a crash ends every session. History and kept results are normal tables.
     """
     n = names
     p = names.table_prefix

@@ -40,10 +40,11 @@ class _Keys:
         """The bigint advisory key of the lease with fence ``fence``."""
         return f"({self._high}::int8 | ({fence} & 4294967295))"
 
-    def held(self, where: str = "") -> str:
-        """``pg_locks`` rows of lease keys that a session holds (extra conditions ``where``)."""
+    def held(self, where: str = "", select: str = "") -> str:
+        """``pg_locks`` rows of lease keys that a session holds (extra conditions ``where``;
+        columns ``select``)."""
         return (
-            "SELECT FROM pg_catalog.pg_locks AS p WHERE p.locktype = 'advisory' "
+            f"SELECT {select}FROM pg_catalog.pg_locks AS p WHERE p.locktype = 'advisory' "
             f"AND p.objsubid = 1 AND p.granted AND p.mode = 'ExclusiveLock' "
             f"AND p.classid = {self.space_oid}::oid{where} "
             "AND p.database = (SELECT oid FROM pg_catalog.pg_database "
@@ -76,10 +77,11 @@ def _record(alias: str) -> str:
 
 
 _TTL = "clock_timestamp() + %(ttl)s::float8 * interval '1 second'"
-_COLUMNS = (
-    "token, key, fence, holder, acquired_at, expires_at, released_at, outcome, problem, "
-    "details, result"
+#: A record's columns but its key, in the order of the history and success tables.
+_RECORD = (
+    "token, fence, holder, acquired_at, expires_at, released_at, outcome, problem, details, result"
 )
+_COLUMNS = f"token, key, {_RECORD.removeprefix('token, ')}"
 _ENDED = (
     "CASE WHEN {0} = 'disconnected' THEN 'the lock session of the holder (backend pid ' "
     "|| {1} || ') ended' END"
@@ -125,41 +127,7 @@ class Statements:
             "-- unlock: fence | let go of the advisory lock of a lease that is no longer ours\n"
             f"SELECT pg_advisory_unlock({keys.of('%(fence)s::int8')})"
         )
-        self.add_record = (
-            "-- add_record: the record's fields | -\n"
-            f"INSERT INTO {n.history} ({_COLUMNS})\n"
-            "VALUES (%(token)s, %(key)s, %(fence)s, %(holder)s::json, %(acquired_at)s, "
-            "%(expires_at)s, %(released_at)s, %(outcome)s, %(problem)s, %(details)s, "
-            "%(result)s::json)\n"
-            "ON CONFLICT DO NOTHING"
-        )
-        self.add_record_success = (
-            "-- add_record_success: the record's fields | -; also the last success of its "
-            "key and task\n"
-            f"WITH rec AS ({self.add_record.split(chr(10), 1)[1]}\n  RETURNING {_COLUMNS}),\n"
-            f"{self._success()}\n"
-            "SELECT count(*) FROM success"
-        )
-        keep = (
-            f"INSERT INTO {n.successes} (key, task_name, {_COLUMNS.replace('key, ', '')})\n"
-            "SELECT %(key)s, %(task_name)s, %(token)s, %(fence)s, CAST(%(holder)s AS json), "
-            "%(acquired_at)s, %(expires_at)s, %(released_at)s, 'succeeded', %(problem)s, "
-            "%(details)s, CAST(%(result)s AS json){source}\n"
-            "ON CONFLICT (key, task_name) DO NOTHING\nRETURNING 1"
-        )
-        self.remember = (
-            "-- remember: a success record's fields, its task name | 1 when kept; no row when "
-            "a success of that key and task is kept already (first wins). Committed durably, "
-            "as the once markers of release_success are.\n"
-            + keep.format(
-                source="\nFROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
-            )
-        )
-        self.record_success = (
-            "-- record_success: as remember, in the caller's own transaction and connection "
-            "(psycopg or psycopg2, so nothing server- or driver-specific), committed by the "
-            "caller\n" + keep.format(source="")
-        )
+        self._recording(n)
         self.renew = (
             "-- renew: key, token, ttl | (acquired_at, expires_at); no row when not ours or "
             "expired\n"
@@ -179,6 +147,44 @@ class Statements:
         self._janitor(n)
         self._session(n)
         self._waiting(n)
+
+    def _recording(self, n: Names) -> None:
+        """Records written outside a release, and successes kept for ``once``."""
+        add = (
+            f"INSERT INTO {n.history} ({_COLUMNS})\n"
+            "VALUES (%(token)s, %(key)s, %(fence)s, %(holder)s::json, %(acquired_at)s, "
+            "%(expires_at)s, %(released_at)s, %(outcome)s, %(problem)s, %(details)s, "
+            "%(result)s::json)\n"
+            "ON CONFLICT DO NOTHING"
+        )
+        self.add_record = f"-- add_record: the record's fields | -\n{add}"
+        self.add_record_success = (
+            "-- add_record_success: the record's fields | -; also the last success of its "
+            "key and task\n"
+            f"WITH rec AS ({add}\n  RETURNING {_COLUMNS}),\n"
+            f"{self._success()}\n"
+            "SELECT count(*) FROM success"
+        )
+        keep = (
+            f"INSERT INTO {n.successes} (key, task_name, {_RECORD})\n"
+            "SELECT %(key)s, %(task_name)s, %(token)s, %(fence)s, CAST(%(holder)s AS json), "
+            "%(acquired_at)s, %(expires_at)s, %(released_at)s, 'succeeded', %(problem)s, "
+            "%(details)s, CAST(%(result)s AS json){source}\n"
+            "ON CONFLICT (key, task_name) DO NOTHING\nRETURNING 1"
+        )
+        self.remember = (
+            "-- remember: a success record's fields, its task name | 1 when kept; no row when "
+            "a success of that key and task is kept already (first wins). Committed durably, "
+            "as the once results of release_success are.\n"
+            + keep.format(
+                source="\nFROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
+            )
+        )
+        self.record_success = (
+            "-- record_success: as remember, in the caller's own transaction and connection "
+            "(psycopg or psycopg2, so nothing server- or driver-specific), committed by the "
+            "caller\n" + keep.format(source="")
+        )
 
     def _take_over(self, grant: str, returning: str) -> None:
         n, keys = self.names, self.keys
@@ -233,39 +239,42 @@ class Statements:
             "  RETURNING key, token, fence, holder, acquired_at, expires_at, "
             "coalesce(expires_at <= now(), false) AS expired)"
         )
-        record = (
-            f"INSERT INTO {n.history} AS h ({_COLUMNS})\n"
-            "SELECT token, key, fence, holder, acquired_at, expires_at, now(), "
-            "CASE WHEN expired THEN 'expired' ELSE %(outcome)s END, "
-            "CASE WHEN expired THEN 'expired' ELSE %(problem)s END, "
-            "CASE WHEN expired THEN NULL ELSE %(details)s END, "
-            "CASE WHEN expired THEN NULL ELSE %(result)s::json END\n"
-            "FROM gone"
-        )
+
+        def record(problem: str, details: str, result: str) -> str:
+            return (
+                f"INSERT INTO {n.history} AS h ({_COLUMNS})\n"
+                "SELECT token, key, fence, holder, acquired_at, expires_at, now(), "
+                "CASE WHEN expired THEN 'expired' ELSE %(outcome)s END, "
+                f"CASE WHEN expired THEN 'expired' ELSE {problem} END, "
+                f"CASE WHEN expired THEN NULL ELSE {details} END, "
+                f"CASE WHEN expired THEN NULL ELSE {result}::json END\n"
+                "FROM gone"
+            )
+
+        given = record("%(problem)s", "%(details)s", "%(result)s")
         outcome = (
             f"{_epoch('released_at')}, outcome, {_epoch('acquired_at')}, {_epoch('expires_at')}"
         )
         waiters = f"NOT pg_try_advisory_xact_lock_shared({queue})"
+        # RETURNING runs after the row and its index entries are in: a failed write leaves
+        # the advisory lock, and with it the lease, as it was.
+        returning = (
+            f"RETURNING {outcome}, CASE WHEN %(unlock)s "
+            f"THEN pg_advisory_unlock({keys.of('fence')}) END, {waiters}"
+        )
         self.release = (
             "-- release: key, token, outcome, problem, details, result, unlock | (released_at, "
             "outcome, acquired_at, expires_at, -, whether waiters queue for the key) of the "
             "record; no row when the lease was not ours; an expired lease is recorded as "
             "expired\n"
-            f"{gone}\n{record}\n"
-            # RETURNING runs after the row and its index entries are in: a failed write
-            # leaves the advisory lock, and with it the lease, as it was.
-            f"RETURNING {outcome}, CASE WHEN %(unlock)s "
-            f"THEN pg_advisory_unlock({keys.of('fence')}) END, {waiters}"
+            f"{gone}\n{given}\n{returning}"
         )
         self.release_bare = (
             "-- release_bare: as release, with no problem, details or result (the usual "
             "release: fewer parameters)\n"
-            + self.release.split("\n", 1)[1]
-            .replace("%(problem)s", "NULL")
-            .replace("%(details)s", "NULL")
-            .replace("%(result)s::json", "NULL::json")
+            f"{gone}\n{record('NULL', 'NULL', 'NULL')}\n{returning}"
         )
-        # A once marker is what stops a payment from running twice: its commit waits for
+        # A once result is what stops a payment from running twice: its commit waits for
         # the WAL flush even on a lock session that commits asynchronously. set_config(...,
         # true) lasts until this statement's implicit transaction ends, and the commit
         # reads it then (measured: 0 of 200 such commits unflushed right after, 200 of 200
@@ -274,7 +283,7 @@ class Statements:
             "-- release_success: as release, and the record becomes the last success of its "
             "key and task (for once), committed durably\n"
             f"{gone},\n"
-            f"rec AS ({record}\n  RETURNING {_COLUMNS}),\n"
+            f"rec AS ({given}\n  RETURNING {_COLUMNS}),\n"
             f"{self._success()},\n"
             "durable AS (SELECT set_config('synchronous_commit', 'on', true) AS on)\n"
             f"SELECT {outcome}, CASE WHEN (SELECT count(*) FROM success) >= 0 "
@@ -286,12 +295,12 @@ class Statements:
     def _success(self) -> str:
         """A CTE that keeps the newest success of each (key, task) from ``rec``."""
         n = self.names
-        columns = f"key, task_name, {_COLUMNS.replace('key, ', '')}"
-        updates = ", ".join(f"{c} = excluded.{c}" for c in columns.split(", ")[2:])
+        columns = f"key, task_name, {_RECORD}"
+        updates = ", ".join(f"{c} = excluded.{c}" for c in _RECORD.split(", "))
         return (
             "success AS (\n"
             f"  INSERT INTO {n.successes} ({columns})\n"
-            f"  SELECT key, holder->>'task_name', {_COLUMNS.replace('key, ', '')}\n"
+            f"  SELECT key, holder->>'task_name', {_RECORD}\n"
             "  FROM rec WHERE outcome = 'succeeded' AND result IS NOT NULL "
             "AND holder->>'task_name' IS NOT NULL\n"
             f"  ON CONFLICT (key, task_name) DO UPDATE SET {updates}\n"
@@ -348,7 +357,7 @@ class Statements:
         return f"-- history: filters | records, newest first\n{statement}", params
 
     def _janitor(self, n: Names) -> None:
-        n_keys_held = self.keys.held().replace("SELECT FROM", "SELECT p.objid::int8 AS low FROM", 1)
+        n_keys_held = self.keys.held(select="p.objid::int8 AS low ")
         unlock = f"pg_advisory_unlock({self.keys.of('fence')})"
         self.reap = (
             "-- reap: limit, fences this session holds | records of cleared leases\n"
@@ -366,19 +375,6 @@ class Statements:
             f"INSERT INTO {n.history} AS h ({_COLUMNS})\n"
             "SELECT token, key, fence, holder, acquired_at, expires_at, now(), outcome, "
             f"outcome, {_ENDED.format('outcome', 'backend_pid')}, NULL FROM gone\n"
-            f"RETURNING {_record('h')}, CASE WHEN fence = ANY(%(held)s::int8[]) "
-            f"THEN {unlock} END"
-        )
-        self.force_release = (
-            "-- force_release: key, reason, fences this session holds | the record, if the "
-            "key was held\n"
-            f"WITH cur AS (SELECT key, token FROM {n.locks} WHERE key = %(key)s),\n"
-            "gone AS (\n"
-            f"  DELETE FROM {n.locks} AS l USING cur WHERE l.key = cur.key "
-            "AND l.token = cur.token RETURNING l.*)\n"
-            f"INSERT INTO {n.history} AS h ({_COLUMNS})\n"
-            "SELECT token, key, fence, holder, acquired_at, expires_at, now(), 'forced', "
-            "'forced', %(reason)s, NULL FROM gone\n"
             f"RETURNING {_record('h')}, CASE WHEN fence = ANY(%(held)s::int8[]) "
             f"THEN {unlock} END"
         )
@@ -452,9 +448,4 @@ class Statements:
             "-- leave_queue: | the waiter connection's queue lock (its only session advisory "
             "lock) let go: the next waiter's turn\n"
             "SELECT pg_advisory_unlock_all()"
-        )
-        self.still_held = (
-            "-- still_held: key | true while a live, unexpired holder has key\n"
-            f"SELECT coalesce(l.expires_at > now(), true) AND {self.keys.live('l.fence')} "
-            f"FROM {n.locks} AS l WHERE l.key = %(key)s"
         )

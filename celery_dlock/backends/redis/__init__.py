@@ -8,7 +8,7 @@ Options
     ``prefix`` (default ``dlock``): the namespace of our Redis keys; no braces.
     ``history_maxlen`` (default 100000): the history stream is capped near this length
     (``XADD MAXLEN ~``: trimmed in whole stream nodes, so it may run ~100 over).
-    ``success_ttl`` (seconds, default 30 days): how long ``last_success`` markers (for
+    ``success_ttl`` (seconds, default 30 days): how long ``last_success`` results (for
     ``once``) live; they are not history and ``prune_history`` leaves them.
     ``gc_after`` (seconds, default 1 day): a free key's state (its fence) is dropped this
     long after its last release; its next fence then starts from Redis's clock.
@@ -32,7 +32,7 @@ Guarantees
     expiry. A lease that Redis expired is recorded ``expired`` by the next ``try_acquire``,
     ``release``, ``renew`` or ``reap`` that sees it, exactly once (the check and the record
     are one script). A lease taken with ``ttl=None`` never expires: only its holder or
-    ``force_release`` frees it.
+    an operator (``celery dlock release``) frees it.
     partition: a holder cut off from Redis cannot renew; its lease expires on Redis's
     clock while it may still run. Fences make that detectable: hand ``lease.fence`` to
     the resource and have it refuse lower ones.
@@ -67,7 +67,6 @@ Install
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace as with_fields
 from typing import Any, ClassVar
 
@@ -76,11 +75,14 @@ from celery_dlock.backends.base import (
     Capabilities,
     Check,
     LockBackend,
+    Place,
     remembered,
     success_task,
     validate_ttl,
 )
+from celery_dlock.backends.redis import history
 from celery_dlock.backends.redis.client import AMBIGUOUS, Client, Connections
+from celery_dlock.backends.redis.doctor import checks
 from celery_dlock.backends.redis.fields import (
     encode_json,
     holder_json,
@@ -88,15 +90,14 @@ from celery_dlock.backends.redis.fields import (
     optional_seconds,
     record_fields,
     record_from_fields,
-    seconds,
 )
+from celery_dlock.backends.redis.history import ms_floor
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.scripts import (
     ACQUIRE,
     ADD,
     DUE,
     EXPIRE,
-    FORCE,
     PEEK,
     PROBE,
     PRUNE,
@@ -124,12 +125,6 @@ _DOUBTFUL_LIMIT = 1000
 
 def _ms(seconds: float) -> str:
     return str(max(1, round(seconds * 1000)))
-
-
-def _ms_floor(when: float) -> int:
-    """A stream id's milliseconds for a release at ``when``, 2 ms early: entry ids follow
-    release times, but ``add_record``'s may be a millisecond off (float rounding)."""
-    return math.floor(when * 1000) - 2
 
 
 class RedisBackend(LockBackend):
@@ -213,7 +208,12 @@ class RedisBackend(LockBackend):
     # -- the contract ----------------------------------------------------------------
 
     def try_acquire(
-        self, key: str, holder: Holder, ttl: float | None, replace: str | None = None
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
     ) -> Lease | None:
         ttl = validate_ttl(ttl)
         connections = self._client.connections()
@@ -272,10 +272,10 @@ class RedisBackend(LockBackend):
         outcome = Outcome(outcome)
         key = lease.key
         task_name = remembered(outcome, result, lease.holder.task_name)
-        marker = task_name is not None
-        if marker:
+        keeps_result = task_name is not None
+        if keeps_result:
             names = self._layout.names(key)
-            keys = [*names[:5], self._layout.marker(key, str(task_name))]
+            keys = [*names[:5], self._layout.result(key, str(task_name))]
             head = bulks([6, *keys, *self._common, names.raw])
         else:
             head = self._segment(key, 5)
@@ -286,15 +286,15 @@ class RedisBackend(LockBackend):
             encode_json(details),
             encode_json(result),
         ]
-        marker_ms = self._success_ms if marker else ""
-        count = self._segment_count(6 if marker else 5) + len(args) + 2
+        result_ms = self._success_ms if keeps_result else ""
+        count = self._segment_count(6 if keeps_result else 5) + len(args) + 2
         reply = self._client.run(
             RELEASE,
             count,
-            head + bulks([*args, "0", marker_ms]),
+            head + bulks([*args, "0", result_ms]),
             operation="release",
             key=key,
-            again=lambda: head + bulks([*args, "1", marker_ms]),
+            again=lambda: head + bulks([*args, "1", result_ms]),
         )
         if reply == 0:
             return None
@@ -306,19 +306,19 @@ class RedisBackend(LockBackend):
 
     def add_record(self, record: Record) -> None:
         keys = [self._layout.history(self._layout.bucket(record.key))]
-        marker_ms = ""
+        result_ms = ""
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
         if task_name is not None:
-            keys.append(self._layout.marker(record.key, task_name))
-            marker_ms = self._success_ms
-        first_id = max(0, _ms_floor(record.released_at) + 2)
-        args = [self._common[0], first_id, marker_ms, *record_fields(record)]
+            keys.append(self._layout.result(record.key, task_name))
+            result_ms = self._success_ms
+        first_id = max(0, ms_floor(record.released_at) + 2)
+        args = [self._common[0], first_id, result_ms, *record_fields(record)]
         self._client.eval(ADD, keys, args, operation="add_record", key=record.key)
 
     def remember(self, record: Record) -> bool:
-        marker = self._layout.marker(record.key, success_task(record))
+        result_key = self._layout.result(record.key, success_task(record))
         args = [self._success_ms, *record_fields(record)]
-        kept = self._client.eval(REMEMBER, [marker], args, operation="remember", key=record.key)
+        kept = self._client.eval(REMEMBER, [result_key], args, operation="remember", key=record.key)
         return bool(kept)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
@@ -357,53 +357,13 @@ class RedisBackend(LockBackend):
         """Records newest first, read with ``XREVRANGE`` back to ``since`` and filtered here:
         the cost grows with the records scanned, so a filter that matches few records of a
         busy namespace reads far. Records are in the order Redis released them."""
-        if limit is not None and limit <= 0:
-            return []
-        buckets = range(self._layout.buckets) if key is None else [self._layout.bucket(key)]
-        found: list[Record] = []
-        for bucket in buckets:
-            found += self._history_of(bucket, key, outcome, since, limit)
-        if len(buckets) > 1:
-            found.sort(key=lambda record: record.released_at, reverse=True)
-        return found if limit is None else found[:limit]
-
-    def _history_of(
-        self,
-        bucket: int,
-        key: str | None,
-        outcome: Outcome | None,
-        since: float | None,
-        limit: int | None,
-    ) -> list[Record]:
-        stream = self._layout.history(bucket)
-        raw_key = None if key is None else key.encode("utf-8", "surrogatepass")
-        raw_outcome = None if outcome is None else Outcome(outcome).value.encode()
-        low = "-" if since is None else str(max(0, _ms_floor(since)))
-        high = "+"
-        batch = 200 if limit is None else min(max(limit, 50), 1000)
-        found: list[Record] = []
-        while True:
-            entries = self._client.command(
-                "history", "XREVRANGE", stream, high, low, "COUNT", batch
-            )
-            for _, flat in entries:
-                fields = dict(zip(flat[::2], flat[1::2], strict=True))
-                if raw_key is not None and fields[b"key"] != raw_key:
-                    continue
-                if raw_outcome is not None and fields[b"out"] != raw_outcome:
-                    continue
-                if since is not None and seconds(fields[b"rel"]) < since:
-                    continue
-                found.append(record_from_fields(fields))
-                if limit is not None and len(found) >= limit:
-                    return found
-            if len(entries) < batch:
-                return found
-            high = b"(" + entries[-1][0]
+        return history.read(
+            self._client, self._layout, key=key, outcome=outcome, since=since, limit=limit
+        )
 
     def last_success(self, key: str, task_name: str) -> Record | None:
         fields = self._client.command(
-            "last_success", "HGETALL", self._layout.marker(key, task_name)
+            "last_success", "HGETALL", self._layout.result(key, task_name)
         )
         return record_from_fields(fields) if fields else None
 
@@ -427,16 +387,10 @@ class RedisBackend(LockBackend):
                     reaped.append(record_from_fields(fields))
         return reaped
 
-    def force_release(self, key: str, reason: str) -> Record | None:
-        names = self._layout.names(key)
-        args = [*self._common, names.raw, encode_json(reason)]
-        fields = self._client.eval(FORCE, names[:5], args, operation="force_release", key=key)
-        return record_from_fields(fields) if fields else None
-
     def prune_history(self, before: float) -> int:
         """Trims each stream by id (``XTRIM MINID``) and checks the records of the cut's
-        last few milliseconds one by one; markers are other keys and stay."""
-        first = max(0, _ms_floor(before))
+        last few milliseconds one by one; kept results are other keys and stay."""
+        first = max(0, ms_floor(before))
         args = [repr(float(before)), first, first + 4]
         return sum(
             int(
@@ -447,11 +401,11 @@ class RedisBackend(LockBackend):
             for bucket in range(self._layout.buckets)
         )
 
-    def wait(self, key: str, timeout: float) -> None:
+    def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Block on the key's signal list until a release pushes a wake-up, the lease
         expires (by Redis's clock), ``timeout`` passes, or the 15 s fallback."""
         if timeout <= 0:
-            return
+            return None
         names = self._layout.names(key)
         # The waiter's note in the state outlives the longest BLPOP by a margin for a slow
         # client; a waiter slower still wakes by its own timeout.
@@ -459,12 +413,13 @@ class RedisBackend(LockBackend):
         keys = [names.lock, names.quarantine, names.state]
         left = self._client.eval(PROBE, keys, [blocking_ms], operation="wait", key=key)
         if left == -2:
-            return
+            return None
         pause = min(timeout, _FALLBACK)
         if left >= 0:
             pause = min(pause, left / 1000 + 0.001)
         if pause >= 0.001:
             self._client.blpop(names.signal, pause, key)
+        return None  # no queue: nothing to keep
 
     def server_time(self) -> float:
         seconds_, micros = self._client.command("server_time", "TIME")
@@ -479,38 +434,7 @@ class RedisBackend(LockBackend):
             info.update(line.split(":", 1) for line in text.splitlines() if ":" in line)
         names = self._layout.names("dlock:doctor")
         self._client.eval(PEEK, names[:2], [], operation="diagnose")
-        return _checks(info)
+        return checks(info)
 
     def close(self) -> None:
         self._client.close()
-
-
-def _checks(info: dict[str, str]) -> list[Check]:
-    """The doctor's findings from ``INFO``; scripts ran if we got this far."""
-    version = info.get("redis_version", "?")
-    major = int(version.split(".")[0]) if version[:1].isdigit() else 0
-    policy = info.get("maxmemory_policy", "?")
-    evicting = "" if policy == "noeviction" else ": an evicted lock key is a lock given away"
-    persistence = (
-        "AOF on: locks and history survive a restart"
-        if info.get("aof_enabled") == "1"
-        else "no AOF: a restart loses locks and history; holders see their leases lost and "
-        "no lock is granted for restart_delay"
-    )
-    role = info.get("role", "?")
-    cluster = info.get("cluster_enabled") == "1"
-    return [
-        Check("redis version", major >= 7, f"{version} (needs 7.0 or newer)"),
-        Check("eviction", policy == "noeviction", f"maxmemory-policy {policy}{evicting}"),
-        Check("persistence", True, persistence),
-        Check("role", role == "master", f"{role} (locks are written to the primary)"),
-        Check(
-            "cluster mode",
-            not cluster,
-            "on: this backend talks to one node and does not follow MOVED; use a proxy or a "
-            "single primary"
-            if cluster
-            else "off",
-        ),
-        Check("scripts", True, "EVALSHA runs (Lua scripting is allowed)"),
-    ]

@@ -24,7 +24,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from celery_dlock.backends.base import ProcessLocal
+from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.backends.redis.scripts import Script, bulks
 from celery_dlock.errors import BackendError
 

@@ -3,7 +3,7 @@
 A record is the stream entry ``key tok fence holder acq exp rel out prob det res`` (see
 :mod:`celery_dlock.backends.redis.scripts`); ``holder``, ``prob``, ``det`` and ``res``
 are JSON, ASCII-escaped so that any text (lone surrogates included) survives. The same
-fields make the last-success marker. One function reads each form, so a record returned
+fields make the kept result. One function reads each form, so a record returned
 by ``release`` and the one ``history`` reads back are built alike and compare equal.
 """
 
@@ -71,7 +71,7 @@ def lease_from_state(key: str, state: Sequence[bytes]) -> Lease:
 
 
 def record_from_fields(fields: Mapping[bytes, bytes] | Sequence[bytes]) -> Record:
-    """The record from a stream entry (or marker) given as a mapping or a flat list."""
+    """The record from a stream entry (or kept result) given as a mapping or a flat list."""
     if not isinstance(fields, Mapping):
         fields = dict(zip(fields[::2], fields[1::2], strict=True))
     key = _text(fields[b"key"])

@@ -88,8 +88,8 @@ class Layout:
             self._cache[key] = names
         return names
 
-    def marker(self, key: str, task_name: str) -> bytes:
-        """The last-success marker of ``task_name`` on ``key``; the task name's length
+    def result(self, key: str, task_name: str) -> bytes:
+        """The kept result of ``task_name`` on ``key``; the task name's length
         keeps names unambiguous whatever either holds."""
         task = task_name.encode("utf-8", "surrogatepass")
         raw = key.encode("utf-8", "surrogatepass")

@@ -43,7 +43,6 @@ __all__ = [
     "ADD",
     "DUE",
     "EXPIRE",
-    "FORCE",
     "PEEK",
     "PROBE",
     "PRUNE",
@@ -133,10 +132,10 @@ local function live(token)
 end
 
 -- end_lease: the lease in KEYS[2], key, outcome, JSON of problem/details/result, release
--- time, wake?, success marker or nil, its retention, the token of a release to remember
+-- time, wake?, result key or nil, its retention, the token of a release to remember
 -- or nil, the state as read by STATE or nil | the record's fields, now in history
 local STATE = {'tok', 'fence', 'holder', 'acq', 'exp', 'wt'}
-local function end_lease(key, outcome, prob, det, res, rel, waking, marker, marker_ms, token, s)
+local function end_lease(key, outcome, prob, det, res, rel, waking, result_key, result_ms, token, s)
   s = s or redis.call('HMGET', KEYS[2], unpack(STATE))
   local fields = {'key', key, 'tok', s[1], 'fence', s[2], 'holder', s[3], 'acq', s[4],
                   'exp', s[5], 'rel', seconds(rel), 'out', outcome, 'prob', prob, 'det', det,
@@ -147,9 +146,9 @@ local function end_lease(key, outcome, prob, det, res, rel, waking, marker, mark
     -- Redis's clock went back below the newest entry: keep stream order, take its id.
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
   end
-  if marker then
-    redis.call('HSET', marker, unpack(fields))
-    redis.call('PEXPIRE', marker, marker_ms)
+  if result_key then
+    redis.call('HSET', result_key, unpack(fields))
+    redis.call('PEXPIRE', result_key, result_ms)
   end
   if token then
     redis.call('HSET', KEYS[2], 'tok', '', 'rtok', token, 'rel', fields[14], 'rexp', s[5])
@@ -276,9 +275,9 @@ return table.concat({int(fence), seconds(now), exp, epoch}, ' ')
 RELEASE = _script(
     "release",
     """
--- release: KEYS +6 success marker (only for a success with a result and a task name)
+-- release: KEYS +6 result key (only for a success with a result and a task name)
 -- | ARGV +4 key, token, outcome, problem JSON, details JSON, result JSON, retry flag,
--- marker ms | 'rel exp' released (also when a retry finds its first attempt did it); 0 not
+-- result ms | 'rel exp' released (also when a retry finds its first attempt did it); 0 not
 -- ours (if it was ours until Redis expired it, that is recorded now)
 local key, token = ARGV[4], ARGV[5]
 -- While the lock key exists it holds the state's token: only these scripts write either.
@@ -356,24 +355,6 @@ return end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, ni
 """,
 )
 
-FORCE = _script(
-    "force",
-    """
--- force: ARGV +4 key, details JSON | the record's fields, recorded 'forced'; {} if free
-local key = ARGV[4]
-local token = redis.call('HGET', KEYS[2], 'tok')
-if not live(token) then
-  return {}
-end
-if redis.call('GET', KEYS[1]) ~= token then
-  end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, nil, nil, nil, nil)
-  return {}
-end
-redis.call('DEL', KEYS[1])
-return end_lease(key, 'forced', '"forced"', ARGV[5], 'null', now_us(), true, nil, nil, nil, nil)
-""",
-)
-
 PEEK = Script(
     "peek",
     """
@@ -447,7 +428,7 @@ return gone
 ADD = Script(
     "add",
     """
--- add: KEYS 1 history[, 2 success marker] | ARGV 1 maxlen, 2 id ms, 3 marker ms, 4... the
+-- add: KEYS 1 history[, 2 result key] | ARGV 1 maxlen, 2 id ms, 3 result ms, 4... the
 -- record's fields | 1
 local fields = {}
 for i = 4, #ARGV do
@@ -468,7 +449,7 @@ return 1
 REMEMBER = Script(
     "remember",
     """
--- remember: KEYS 1 success marker | ARGV 1 marker ms, 2... the record's fields | 1 kept,
+-- remember: KEYS 1 result key | ARGV 1 result ms, 2... the record's fields | 1 kept,
 -- 0 when a success is kept already (first wins: never an overwrite)
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return 0

@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from celery_dlock.backends import mask_url
-from celery_dlock.backends.base import flag, url_options
+from celery_dlock.backends.common import flag, url_options
 from celery_dlock.errors import ConfigurationError
 
 __all__ = ["parse_url"]

@@ -13,6 +13,9 @@ from tests.backends.storecase import StoreCase
 from tests.support.objectstore_servers import session_server, unique_prefix
 
 NAME = "gcs"
+#: A URL of this kind whose store cannot be reached (or made), with a password where the
+#: scheme has one: ``from_url`` must accept it without I/O (contract).
+UNREACHABLE = "gs://bucket/p?endpoint=http://127.0.0.1:1&anonymous=true&timeout=1"
 
 
 @contextmanager

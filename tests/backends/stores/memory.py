@@ -11,6 +11,9 @@ from celery_dlock.testing import FakeClock
 from tests.backends.storecase import StoreCase
 
 NAME = "memory"
+#: A URL of this kind whose store cannot be reached (or made), with a password where the
+#: scheme has one: ``from_url`` must accept it without I/O (contract).
+UNREACHABLE = None  # nothing to reach
 
 
 @contextmanager

@@ -21,6 +21,9 @@ from tests.support.services import postgres_admin as admin_connection
 __all__ = ["NAME", "SERVER_URL", "admin_connection", "drop_schema", "open_store", "with_options"]
 
 NAME = "postgres"
+#: A URL of this kind whose store cannot be reached (or made), with a password where the
+#: scheme has one: ``from_url`` must accept it without I/O (contract).
+UNREACHABLE = "postgresql://nobody:s3cret@127.0.0.1:1/none?connect_timeout=2"
 
 
 @contextmanager

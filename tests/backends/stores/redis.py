@@ -20,6 +20,9 @@ from tests.backends.storecase import StoreCase
 from tests.support.services import redis_client
 
 NAME = "redis"
+#: A URL of this kind whose store cannot be reached (or made), with a password where the
+#: scheme has one: ``from_url`` must accept it without I/O (contract).
+UNREACHABLE = "redis://:s3cret@127.0.0.1:1/0?retries=0"
 URL = os.environ.get("DLOCK_REDIS_URL", "redis://127.0.0.1:6379/1")
 BUCKETS = int(os.environ.get("DLOCK_REDIS_BUCKETS", "1"))
 _counter = itertools.count()

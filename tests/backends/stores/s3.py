@@ -14,6 +14,9 @@ from tests.backends.storecase import StoreCase
 from tests.support.objectstore_servers import session_server, unique_prefix
 
 NAME = "s3"
+#: A URL of this kind whose store cannot be reached (or made), with a password where the
+#: scheme has one: ``from_url`` must accept it without I/O (contract).
+UNREACHABLE = "s3://AKIA:s3cret@bucket/p?endpoint_url=http://127.0.0.1:1&region=x"
 
 
 @contextmanager

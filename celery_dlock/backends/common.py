@@ -1,0 +1,152 @@
+"""What the store implementations share beside the contract: objects made once per
+process (the one fork-safety mechanism), expiry arithmetic, the record of a retry's
+takeover, and URL options."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar, Generic, TypeVar
+from urllib.parse import parse_qsl
+
+from celery_dlock.errors import ConfigurationError
+from celery_dlock.records import Holder, Lease, Outcome, Record
+
+__all__ = [
+    "ProcessLocal",
+    "expired",
+    "expiry",
+    "flag",
+    "retried",
+    "url_options",
+    "wall_clock",
+]
+
+T = TypeVar("T")
+
+
+class ProcessLocal(Generic[T]):
+    """An object made lazily, once per process id: the one fork-safety mechanism.
+
+    Celery forks its pool after the app is imported; a socket or file inherited from the
+    parent would be shared by both processes. ``get()`` makes a fresh object in a child
+    and drops (without closing) the parent's copy, which still belongs to the parent.
+    ``forget``, if given, is called on that copy in the child right after the fork, before
+    anything else runs there: for objects whose destruction would speak on the parent's
+    sockets (a psycopg connection says goodbye to the server when collected).
+    """
+
+    _forgetting: ClassVar[weakref.WeakSet[ProcessLocal[Any]]] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        factory: Callable[[], T],
+        close: Callable[[T], None] | None = None,
+        forget: Callable[[T], None] | None = None,
+    ) -> None:
+        self._factory = factory
+        self._close = close
+        self._forget = forget
+        self._pid = -1
+        self._value: T | None = None
+        self._mutex = threading.Lock()
+        if forget is not None:
+            ProcessLocal._forgetting.add(self)
+
+    @classmethod
+    def _after_fork_in_child(cls) -> None:
+        for local in list(cls._forgetting):
+            local._mutex = threading.Lock()  # another thread may have held it at the fork
+            value = local._value
+            if value is not None and local._forget is not None and local._pid != os.getpid():
+                local._forget(value)
+
+    def get(self) -> T:
+        value = self._value
+        if value is not None and self._pid == os.getpid():
+            return value
+        with self._mutex:
+            if self._value is None or self._pid != os.getpid():
+                self._value = self._factory()
+                self._pid = os.getpid()
+            return self._value
+
+    def reset(self) -> None:
+        """Close this process's object, if any; the next ``get()`` makes a new one."""
+        with self._mutex:
+            value, self._value = self._value, None
+            if value is not None and self._pid == os.getpid() and self._close is not None:
+                self._close(value)
+
+
+os.register_at_fork(after_in_child=ProcessLocal._after_fork_in_child)
+
+
+def expired(lease: Lease, now: float) -> bool:
+    """Whether ``lease`` has run past its expiry at time ``now``."""
+    return lease.expires_at is not None and lease.expires_at <= now
+
+
+def retried(lease: Lease, successor: Holder, now: float) -> Record:
+    """The record of ``lease`` taken over by ``successor``, the retry of its own task."""
+    details = f"continued by its retry: {successor.describe()}"
+    return Record(lease, now, Outcome.RETRIED, None, details)
+
+
+def expiry(now: float, ttl: float | None) -> float | None:
+    return None if ttl is None else now + ttl
+
+
+def wall_clock() -> float:
+    return time.time()
+
+
+def flag(text: str) -> bool:
+    """A boolean URL option: ``1/true/yes/on`` or ``0/false/no/off``."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def url_options(
+    backend: str,
+    query: str,
+    known: dict[str, Callable[[str], Any]],
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    """Options from a URL query string, converted, with ``overrides`` on top.
+
+    Raises:
+        ConfigurationError: an option is unknown, repeated or has a bad value; the message
+            names the option and the known ones.
+    """
+    options: dict[str, Any] = {}
+    pairs = parse_qsl(query, keep_blank_values=True)
+    for name, text in pairs:
+        if name not in known:
+            raise ConfigurationError(
+                f"unknown option {name!r} in the {backend} backend URL "
+                f"(known: {', '.join(sorted(known)) or 'none'})"
+            )
+        if name in options:
+            raise ConfigurationError(f"option {name!r} is given twice in the {backend} URL")
+        try:
+            options[name] = known[name](text)
+        except ValueError as exc:
+            raise ConfigurationError(
+                f"bad value {text!r} for option {name!r} of the {backend} backend: {exc}"
+            ) from None
+    for name, value in overrides.items():
+        if name not in known:
+            raise ConfigurationError(
+                f"unknown option {name!r} for the {backend} backend "
+                f"(known: {', '.join(sorted(known)) or 'none'})"
+            )
+        options[name] = value
+    return options

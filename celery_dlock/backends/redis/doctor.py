@@ -1,0 +1,38 @@
+"""The doctor's findings for a Redis store, from ``INFO``."""
+
+from __future__ import annotations
+
+from celery_dlock.backends.base import Check
+
+__all__ = ["checks"]
+
+
+def checks(info: dict[str, str]) -> list[Check]:
+    """The doctor's findings from ``INFO``; scripts ran if we got this far."""
+    version = info.get("redis_version", "?")
+    major = int(version.split(".")[0]) if version[:1].isdigit() else 0
+    policy = info.get("maxmemory_policy", "?")
+    evicting = "" if policy == "noeviction" else ": an evicted lock key is a lock given away"
+    persistence = (
+        "AOF on: locks and history survive a restart"
+        if info.get("aof_enabled") == "1"
+        else "no AOF: a restart loses locks and history; holders see their leases lost and "
+        "no lock is granted for restart_delay"
+    )
+    role = info.get("role", "?")
+    cluster = info.get("cluster_enabled") == "1"
+    return [
+        Check("redis version", major >= 7, f"{version} (needs 7.0 or newer)"),
+        Check("eviction", policy == "noeviction", f"maxmemory-policy {policy}{evicting}"),
+        Check("persistence", True, persistence),
+        Check("role", role == "master", f"{role} (locks are written to the primary)"),
+        Check(
+            "cluster mode",
+            not cluster,
+            "on: this backend talks to one node and does not follow MOVED; use a proxy or a "
+            "single primary"
+            if cluster
+            else "off",
+        ),
+        Check("scripts", True, "EVALSHA runs (Lua scripting is allowed)"),
+    ]
