@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -113,7 +112,7 @@ class Lock:
         self._lease: Lease | None = None
         self._renewer: Renewer | None = None
         self._unwatch: Callable[[], None] | None = None
-        self._lost = threading.Event()
+        self._session_ended = False  # set by the backend's watcher thread
 
     @property
     def lease(self) -> Lease | None:
@@ -127,7 +126,7 @@ class Lock:
         """True once background renewal found the lease gone, or its session ended."""
         if self._renewer is not None:
             return self._renewer.lost.is_set()
-        return self._lost.is_set()
+        return self._session_ended
 
     def acquire(
         self,
@@ -180,7 +179,7 @@ class Lock:
     def _held(self, lease: Lease) -> None:
         held().add(self.backend, lease)
         self._lease = lease
-        self._lost.clear()
+        self._session_ended = False
         if self.renew_in_background and self.ttl is not None:
             self._renewer = Renewer(self.backend, lease, self.ttl, self.on_lost).start()
         else:
@@ -188,7 +187,7 @@ class Lock:
 
     def _session_lost(self, lease: Lease) -> None:
         """From the backend's watcher: the session that kept ``lease`` alive ended."""
-        self._lost.set()
+        self._session_ended = True
         where = mask_url(self.backend.url)
         report_lost(lease, self.on_lost, f" with its holder's session [{where}]")
 
@@ -233,7 +232,8 @@ class Lock:
         """
         reported = self.lost
         lease = self.detach()
-        ending = Ending(lease, Outcome(outcome), problem, details, result, reported)
+        outcome = outcome if type(outcome) is Outcome else Outcome(outcome)
+        ending = Ending(lease, outcome, problem, details, result, reported)
         if remembered(ending.outcome, result, lease.holder.task_name) is None:
             return releasing.release(self.backend, ending)
         return releasing.release_success(self.backend, ending, self.success_retry)

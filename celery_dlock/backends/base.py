@@ -306,7 +306,7 @@ def remembered(outcome: Outcome | str, result: Any, task_name: str | None) -> st
 
     The one statement of the rule, for every backend, whatever form it holds a record in.
     """
-    if Outcome(outcome) is Outcome.SUCCEEDED and result is not None:
+    if result is not None and outcome == Outcome.SUCCEEDED:  # an Outcome or its value
         return task_name
     return None
 

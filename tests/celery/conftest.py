@@ -1,22 +1,43 @@
-"""Embedded-worker fixtures: one Celery app and one worker thread for the session.
+"""The fixtures of the Celery tests; each test asks for the worker it needs.
 
-The worker runs the tasks of ``tests.celery.embedded_tasks`` with the solo pool in a thread
-of the test process, so the tests share the memory lock store with it and can hold keys
-themselves.
+Embedded: one Celery app and one worker thread for the session (``app``, ``store``). The
+worker runs the tasks of ``tests.celery.embedded_tasks`` with the solo pool in a thread of the
+test process, so the tests share the memory lock store with it and can hold keys themselves.
+
+Prefork: ``worker``, one real prefork worker per lock store (Postgres, file) for the
+session, on a Redis broker (``tests.celery.prefork``); ``redis_url`` and ``lock_url`` for
+tests that start a worker of their own.
+
+Eager: ``eager``, an app that runs tasks in the caller; ``broken_store``, a lock store that
+fails.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import shutil
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 
 # pytest-celery 1.x shadows this fixture with a Docker worker; the classic one wins here.
 from celery.contrib.pytest import celery_worker  # noqa: F401
 
-from celery_dlock import install
+from celery_dlock import (
+    BackendError,
+    Holder,
+    LockedTask,
+    backend_from_url,
+    install,
+)
 from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.celery.settings import forget_settings
+from tests.celery.prefork import BROKER_DB, RESULTS_DB, Worker, running
+from tests.support import unavailable
 
 STORE = "memory://celery-tests"
 
@@ -59,3 +80,124 @@ def store() -> MemoryBackend:
     backend = MemoryBackend.from_url(STORE)
     assert isinstance(backend, MemoryBackend)
     return backend
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    try:
+        import redis
+    except ImportError:
+        unavailable("redis-py is not installed: pip install 'celery-dlock[redis]'")
+    client = redis.Redis(host="127.0.0.1", port=6379, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        unavailable(f"Redis is not reachable on 127.0.0.1:6379 ({exc})")
+    for db in (BROKER_DB, RESULTS_DB):
+        redis.Redis(host="127.0.0.1", port=6379, db=db).flushdb()
+    return "redis://127.0.0.1:6379"
+
+
+@pytest.fixture(scope="session", params=["postgres", "file"])
+def lock_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The lock store: Postgres in a schema of its own, and the default local file store."""
+    if request.param == "file":
+        yield f"file://{tmp_path_factory.mktemp('locks')}"
+        return
+    if importlib.util.find_spec("psycopg") is None:
+        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
+    import psycopg
+
+    schema = f"dlock_prefork_{uuid.uuid4().hex[:8]}"
+    base = "postgresql://postgres@127.0.0.1:5432/test"
+    try:
+        with psycopg.connect(base, connect_timeout=3, autocommit=True) as connection:
+            connection.execute("select 1")
+    except psycopg.Error as exc:
+        unavailable(f"PostgreSQL is not reachable on 127.0.0.1:5432 ({exc})")
+    url = f"{base}?schema={schema}"
+    backend = backend_from_url(url)
+    backend.migrate()  # type: ignore[attr-defined]
+    backend.close()
+    yield url
+    with psycopg.connect(base, autocommit=True) as connection:
+        connection.execute(f'drop schema if exists "{schema}" cascade')
+
+
+@pytest.fixture(scope="session")
+def worker(
+    tmp_path_factory: pytest.TempPathFactory, redis_url: str, lock_url: str
+) -> Iterator[Worker]:
+    with running(tmp_path_factory.mktemp("worker"), redis_url, lock_url) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def eager() -> Iterator[tuple[Celery, dict[str, Any]]]:
+    app = Celery("eager", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        dlock_backend="memory://eager-tests",
+    )
+    install(app, janitor=False)
+    calls: dict[str, Any] = {"runs": []}
+
+    @app.task(
+        shared=False,
+        base=LockedTask,
+        bind=True,
+        name="e.charge",
+        lock_key="order:{order_id}",
+        once=True,
+    )
+    def charge(self: Any, order_id: str) -> str:
+        calls["runs"].append(("charge", order_id, self.lease.fence))
+        return f"receipt-{order_id}"
+
+    @app.task(
+        shared=False,
+        base=LockedTask,
+        bind=True,
+        name="e.flaky",
+        lock_key="flaky:{order_id}",
+        max_retries=3,
+        default_retry_delay=0,
+    )
+    def flaky(self: Any, order_id: str) -> int:
+        calls["runs"].append(("flaky", order_id, self.lease.fence))
+        if self.request.retries < 2:
+            raise self.retry(exc=ConnectionError("later"))
+        return int(self.request.retries)
+
+    @app.task(shared=False, base=LockedTask, name="e.busy", lock_key="busy:{order_id}")
+    def busy(order_id: str) -> str:
+        calls["runs"].append(("busy", order_id))
+        return "ran"
+
+    calls.update(charge=charge, flaky=flaky, busy=busy)
+    yield app, calls
+
+
+@pytest.fixture
+def broken_store(app: Any, tmp_path: Path) -> Iterator[None]:
+    """Point the embedded worker's app at a file store whose directory then vanishes: every
+    operation fails with a real OS error, turned into BackendError."""
+    directory = tmp_path / "store"
+    url = f"file://{directory}"
+    from celery_dlock.process import shared_backend
+
+    shared_backend(url)  # made while the directory exists
+    shutil.rmtree(directory)
+    previous = app.conf.dlock_backend
+    app.conf.dlock_backend = url
+    forget_settings(app)
+    try:
+        with pytest.raises(BackendError):
+            shared_backend(url).try_acquire("job:probe", Holder.current(), None)
+        yield
+    finally:
+        app.conf.dlock_backend = previous
+        app.conf.dlock_on_backend_error = "retry"
+        forget_settings(app)

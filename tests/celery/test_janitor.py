@@ -1,8 +1,11 @@
-"""The janitor: reaping, its singleton lock, pruning, and its beat entry in every
-configuration order (shared/notes/celery-5.7-facts.md §6)."""
+"""The janitor: reaping, its singleton lock, pruning, its beat entry in every configuration
+order (Celery 5.7 reads ``beat_schedule`` when beat starts, whichever order the app was
+configured in), and beat triggering it against a real prefork worker."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,8 @@ from celery_dlock import Holder, Outcome, install
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.reap import JANITOR_TASK, janitor_key, reap
 from celery_dlock.records import Lease
+from tests.celery.prefork import HERE, running
+from tests.support import eventually
 from tests.support.holders import kill, spawn_holder
 
 
@@ -134,3 +139,38 @@ def test_the_janitor_task_runs_reap_with_the_app_settings(tmp_path: Path) -> Non
     backend = FileBackend(str(tmp_path / "locks"))
     [record] = backend.history(key="pay:celery_dlock.janitor")
     assert record.released_at >= started
+
+
+@pytest.mark.slow
+def test_beat_triggers_the_janitor_which_reaps_a_dead_holder(
+    tmp_path: Path, redis_url: str, lock_url: str
+) -> None:
+    # A holder that was SIGKILLed outside any worker: only the janitor can clear it.
+    process, orphan = spawn_holder(lock_url, "job:orphan")
+    kill(process)
+    with running(tmp_path, redis_url, lock_url, DLOCK_TEST_JANITOR="1") as janitor_worker:
+        env = janitor_worker.env
+        beat_args = [
+            sys.executable, "-m", "celery", "-A", "workerapp", "beat",
+            "--schedule", str(tmp_path / "beat-schedule"), "--max-interval", "1",
+            "--loglevel=INFO",
+        ]  # fmt: skip
+        with open(tmp_path / "beat.log", "ab") as log:
+            beat = subprocess.Popen(beat_args, env=env, stdout=log, stderr=log, cwd=HERE)
+        try:
+            runs = eventually(
+                lambda: [
+                    r
+                    for r in janitor_worker.history("job:celery_dlock.janitor")
+                    if r.outcome is Outcome.SUCCEEDED
+                ],
+                "a janitor run sent by beat",
+                timeout=60,
+            )
+        finally:
+            beat.terminate()
+            beat.wait(timeout=30)
+        reaped = [r for r in janitor_worker.history("job:orphan") if r.lease.token == orphan.token]
+        assert [r.outcome for r in reaped] == [Outcome.DISCONNECTED]
+        assert sum(run.result["reaped"] for run in runs) >= 1
+        assert "Sending due task celery_dlock.janitor" in (tmp_path / "beat.log").read_text()

@@ -1,9 +1,12 @@
-"""``once`` beyond the store's own memory: ``record_success`` in the app's own transaction
-(a refused second success replays the first), and ``idempotency_key`` for effects outside
-any database we reach. Eager runs of real tasks on a real Postgres store."""
+"""``once``: the body runs once and its duplicates replay the stored result (embedded and
+eager runs, twenty concurrent submissions in a real prefork worker); a failure does not
+count; ``record_success`` in the app's own transaction on a real Postgres store (a refused
+second success replays the first, a child SIGKILLed after its commit charges once);
+``idempotency_key`` for effects outside any database we reach."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -23,6 +26,11 @@ from celery_dlock import (
     install,
 )
 from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.memory import MemoryBackend
+from tests.celery import embedded_tasks as tasks
+from tests.celery.prefork import Worker, assert_never_overlapping, bodies
+from tests.celery.support import new_run, outcomes
+from tests.support import eventually
 from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin, with_options
 
 psycopg = pytest.importorskip("psycopg")
@@ -163,3 +171,105 @@ def test_the_idempotency_key_is_one_per_logical_operation(
     assert len({charge_keys[0], other_key, refund_key}) == 3
     for key in (charge_keys[0], other_key, refund_key):
         assert key.startswith("dlock-") and order not in key and other not in key
+
+
+@pytest.mark.usefixtures("app")
+def test_once_runs_the_body_once_and_replays_the_stored_result(store: MemoryBackend) -> None:
+    run = new_run()
+    first = tasks.charge.delay(run, 10).get(timeout=10)
+    again = [tasks.charge.delay(run, 99).get(timeout=10) for _ in range(3)]
+    assert again == [first] * 3 == [{"run": run, "amount": 10}] * 3
+    assert len(tasks.SEEN[run]) == 1
+    key = f"job:order:{run}"
+    assert outcomes(store, key) == [Outcome.SUCCEEDED] + [Outcome.SKIPPED] * 3
+    replay = store.history(key=key)[0]
+    assert replay.problem == "once" and replay.details is not None
+    assert "already succeeded" in replay.details
+
+
+@pytest.mark.usefixtures("app")
+def test_once_does_not_count_a_failure(store: MemoryBackend) -> None:
+    run = new_run()
+    with pytest.raises(ValueError):
+        tasks.charge_flaky.delay(run, True).get(timeout=10)
+    assert tasks.charge_flaky.delay(run, False).get(timeout=10) == "charged"
+    assert tasks.charge_flaky.delay(run, False).get(timeout=10) == "charged"
+    assert len(tasks.SEEN[run]) == 2
+
+
+@pytest.mark.usefixtures("app")
+def test_once_does_not_block_another_task_on_the_same_key(store: MemoryBackend) -> None:
+    run = new_run()
+    tasks.charge.delay(run, 1).get(timeout=10)
+    assert tasks.refund.delay(run).get(timeout=10) == "refunded"
+    assert tasks.refund.delay(run).get(timeout=10) == "refunded"
+    assert [s["task"] for s in tasks.SEEN[run]] == ["t.charge", "t.refund", "t.refund"]
+
+
+def test_eager_runs_lock_and_once(eager: tuple[Celery, dict[str, Any]]) -> None:
+    _, calls = eager
+    order = new_run()
+    assert calls["charge"].delay(order).get() == f"receipt-{order}"
+    assert calls["charge"].delay(order).get() == f"receipt-{order}"
+    assert [run for run in calls["runs"] if run[1] == order] == [("charge", order, 1)]
+    store = MemoryBackend.from_url("memory://eager-tests")
+    outcomes = [r.outcome for r in store.history(key=f"job:order:{order}")]
+    assert outcomes == [Outcome.SKIPPED, Outcome.SUCCEEDED]
+
+
+@pytest.mark.slow
+def test_twenty_concurrent_submissions_with_once_run_the_body_once(worker: Worker) -> None:
+    order = int(uuid.uuid4().int % 10**9)
+    other = order + 1
+    results = [worker.tasks.charge.delay(order, 10) for _ in range(20)]
+    results.append(worker.tasks.charge.delay(other, 5))
+    answers = [result.get(timeout=120) for result in results]
+    assert len({json.dumps(a) for a in answers[:20]}) == 1  # every caller got the first result
+    key = f"job:order:{order}"
+    events = bodies(worker, key)
+    assert len(events) == 2
+    assert_never_overlapping(events)
+    outcomes = [record.outcome for record in worker.history(key)]
+    assert outcomes.count(Outcome.SUCCEEDED) == 1
+    assert outcomes.count(Outcome.SKIPPED) == 19  # replays of the stored result
+    assert len(bodies(worker, f"job:order:{other}")) == 2  # another order was not blocked
+
+
+@pytest.mark.parametrize("transactional", [True, False], ids=["record_success", "at_release"])
+@pytest.mark.slow
+def test_a_child_killed_after_its_commit_charges_once_only_with_record_success(
+    worker: Worker, lock_url: str, transactional: bool
+) -> None:
+    """The child commits its charge, then is SIGKILLed before its release (the hook in
+    ``w.pay``); the duplicate that comes after replays the charge only when the success
+    was written in the charge's own transaction. Without it the order is charged twice:
+    the hole this option closes."""
+    if not lock_url.startswith("postgresql"):
+        pytest.skip("not applicable: record_success needs the Postgres store")
+    import psycopg
+
+    url, table = lock_url.partition("?")[0], f'"{lock_url.split("schema=")[1]}".charges'
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f"CREATE TABLE IF NOT EXISTS {table} (order_id text, token text)")
+    order = uuid.uuid4().hex[:8]
+    key = f"job:pay:{order}"
+    (worker.ledger.parent / f"kill-{order}").touch()
+    first = worker.tasks.pay.delay(order, transactional)
+    with pytest.raises(Exception, match=r"WorkerLostError|Worker exited"):
+        first.get(timeout=60)
+    eventually(lambda: worker.store.get(key) is None, "the dead child's lease released")
+
+    duplicate = worker.tasks.pay.delay(order, transactional).get(timeout=60)
+
+    with psycopg.connect(url) as connection:
+        tokens = connection.execute(
+            f"SELECT token FROM {table} WHERE order_id = %s", (order,)
+        ).fetchall()
+    committed = [e for e in worker.events() if e["key"] == key and e["event"] == "committed"]
+    if transactional:
+        assert len(tokens) == 1 and len(committed) == 1  # charged once
+        assert duplicate == {"order": order, "fence": committed[0]["fence"]}  # replayed
+        kept = worker.store.last_success(key, "w.pay")
+        assert kept is not None and kept.lease.token == committed[0]["token"]
+    else:
+        assert len(tokens) == 2 and len(committed) == 2  # the double charge, shown

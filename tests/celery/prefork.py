@@ -1,0 +1,121 @@
+"""A real prefork worker for the tests: a `celery worker --pool=prefork` subprocess on a Redis
+broker, what its bodies write to a ledger, and the checks read from it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from celery_dlock import backend_from_url
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.records import Record
+from tests.support import eventually
+
+HERE = Path(__file__).parent
+BROKER_DB, RESULTS_DB = 2, 3
+
+
+class Worker:
+    """A `celery worker --pool=prefork` subprocess and what it writes."""
+
+    def __init__(self, tmp: Path, redis_url: str, lock_url: str, **env: str) -> None:
+        self.ledger = tmp / "ledger.jsonl"
+        self.ledger.touch()
+        self.log = tmp / "worker.log"
+        # A queue of its own: two workers on one queue would restore each other's messages.
+        self.queue = f"q-{uuid.uuid4().hex[:8]}"
+        self.hostname = f"w-{self.queue}@{socket.gethostname()}"
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
+            "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",
+            "DLOCK_TEST_LOCKS": lock_url,
+            "DLOCK_TEST_LEDGER": str(self.ledger),
+            "DLOCK_TEST_QUEUE": self.queue,
+            **env,
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+        os.environ.update({k: v for k, v in self.env.items() if k.startswith("DLOCK_TEST_")})
+        # Imported only now: it reads the DLOCK_TEST_* settings just set when first imported.
+        workerapp = importlib.import_module("tests.celery.workerapp")
+        self.app = workerapp.app
+        self.previous_queue = self.app.conf.task_default_queue
+        self.app.conf.update(
+            broker_url=self.env["DLOCK_TEST_BROKER"],
+            result_backend=self.env["DLOCK_TEST_RESULTS"],
+            dlock_backend=lock_url,
+            task_default_queue=self.queue,
+        )
+        self.tasks = workerapp
+        self.store: LockBackend = backend_from_url(lock_url)
+
+    def start(self, concurrency: int = 4) -> Worker:
+        args = [
+            sys.executable, "-m", "celery", "-A", "workerapp", "worker",
+            "--pool=prefork", f"--concurrency={concurrency}", "--without-gossip",
+            "--without-mingle", "--without-heartbeat", "--loglevel=INFO", f"--queues={self.queue}",
+            f"--hostname={self.hostname}",
+        ]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(args, env=self.env, stdout=log, stderr=log, cwd=HERE)
+        eventually(
+            lambda: self.app.control.ping(destination=[self.hostname], timeout=0.5),
+            "worker ready",
+            timeout=60,
+        )
+        return self
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # warm shutdown
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        self.store.close()
+        self.app.conf.task_default_queue = self.previous_queue
+
+    def events(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.ledger.read_text().splitlines() if line]
+
+    def history(self, key: str) -> list[Record]:
+        return list(reversed(self.store.history(key=key, limit=None)))
+
+
+@contextmanager
+def running(tmp: Path, redis_url: str, lock_url: str, **env: str) -> Iterator[Worker]:
+    worker = Worker(tmp, redis_url, lock_url, **env).start()
+    try:
+        yield worker
+    except BaseException:
+        print(worker.log.read_text()[-5000:])
+        raise
+    finally:
+        worker.stop()
+
+
+def bodies(worker: Worker, key: str) -> list[tuple[str, str]]:
+    """(event, attempt token) of every body run on ``key``, in ledger order."""
+    return [(e["event"], e["token"]) for e in worker.events() if e["key"] == key]
+
+
+def assert_never_overlapping(events: list[tuple[str, str]]) -> None:
+    """Every start is followed by its own end before any other start."""
+    assert len(events) % 2 == 0, events
+    for start, end in zip(events[::2], events[1::2], strict=True):
+        assert start[0] == "start" and end[0] == "end" and start[1] == end[1], events

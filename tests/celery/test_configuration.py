@@ -1,0 +1,101 @@
+"""Keys, task options and settings: refused with an error that names the problem
+when the task is defined or the app configured; the default store."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_dlock import (
+    ConfigurationError,
+    LockedTask,
+    LockKeyError,
+)
+from celery_dlock.celery.settings import settings
+
+
+def test_bad_placeholder_names_task_and_placeholder(celery_session_app: Any) -> None:
+    with pytest.raises(LockKeyError) as info:
+
+        @celery_session_app.task(
+            base=LockedTask, name="shop.charge", lock_key="order:{order}", shared=False
+        )
+        def charge(order_id: int) -> None:
+            pass
+
+        charge.name  # noqa: B018 - creates the task on a lazy app
+    assert "shop.charge" in str(info.value) and "'order'" in str(info.value)
+
+
+def test_bound_task_signature_skips_self(celery_session_app: Any) -> None:
+    @celery_session_app.task(
+        base=LockedTask, bind=True, name="shop.bound", lock_key="o:<order_id>", shared=False
+    )
+    def bound(self: Any, order_id: int) -> None:
+        pass
+
+    assert bound.lock_key_for((7,)) == "job:o:7"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"lock_key": "o:{order_id}", "on_locked": "wait"}, "on_locked must be one of"),
+        ({"lock_key": "o:{order_id}", "lock_ttl": 0}, "ttl"),
+        ({"lock_key": "o:{order_id}", "lock_wait": -1}, "lock_wait"),
+        ({"lock_key": "o:{order_id}", "on_lock_lost": "panic"}, "on_lock_lost"),
+        ({}, "no lock_key"),
+    ],
+)
+def test_bad_options_fail_at_definition(
+    celery_session_app: Any, options: dict[str, Any], message: str
+) -> None:
+    name = f"shop.bad_{uuid.uuid4().hex[:6]}"
+    with pytest.raises(ConfigurationError, match=message) as info:
+
+        @celery_session_app.task(base=LockedTask, name=name, shared=False, **options)
+        def bad(order_id: int) -> None:
+            pass
+
+        bad.name  # noqa: B018
+    assert name in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("dlock_backend", 42, "dlock_backend must be a URL"),
+        ("dlock_namespace", 7, "dlock_namespace"),
+        ("dlock_ttl", -1, "dlock_ttl"),
+        ("dlock_janitor_interval", 0, "dlock_janitor_interval"),
+        ("dlock_history_retention", "forever", "dlock_history_retention"),
+        ("dlock_on_backend_error", "ignore", "dlock_on_backend_error"),
+    ],
+)
+def test_bad_settings_are_named(name: str, value: Any, message: str) -> None:
+    app = Celery("settings", set_as_current=False)
+    app.conf[name] = value
+    with pytest.raises(ConfigurationError, match=message):
+        settings(app)
+
+
+def test_default_store_is_a_local_file_store_with_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from celery_dlock.celery import settings as settings_module
+
+    settings_module._warned_default.clear()
+    app = Celery("defaults", set_as_current=False)
+    with caplog.at_level(logging.WARNING, logger="celery_dlock"):
+        current = settings(app)
+        assert caplog.messages == []  # reading the settings is pure
+        settings_module.warn_if_default_store(current)
+        settings_module.warn_if_default_store(settings(app))
+    assert current.backend.startswith("file://") and current.default_backend
+    assert current.namespace == "job" and current.ttl is None
+    assert current.on_backend_error == "retry"
+    assert sum("dlock_backend is not set" in m for m in caplog.messages) == 1

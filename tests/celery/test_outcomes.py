@@ -1,0 +1,142 @@
+"""What a task's run leaves in the history: success, failure with its exception, a
+skipped or rejected run, a long body kept by renewal, a direct call; and a lock store that
+fails (the task never runs unlocked). Embedded worker, and eager runs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+
+from celery_dlock import (
+    BackendError,
+    Outcome,
+)
+from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.celery.settings import forget_settings
+from tests.celery import embedded_tasks as tasks
+from tests.celery.support import new_run, outcomes
+from tests.support import eventually
+
+
+@pytest.mark.usefixtures("app")
+def test_success_holds_the_namespaced_key_and_records_succeeded(store: MemoryBackend) -> None:
+    run = new_run()
+    assert tasks.refund.delay(run).get(timeout=10) == "refunded"
+    [seen] = tasks.SEEN[run]
+    assert seen["key"] == f"job:order:{run}" and seen["fence"] >= 1
+    [record] = store.history(key=f"job:order:{run}")
+    assert record.outcome is Outcome.SUCCEEDED
+    assert record.lease.token == seen["token"]
+    assert record.lease.holder.task_name == "t.refund"
+    assert record.lease.holder.task_id is not None
+    assert store.get(f"job:order:{run}") is None
+
+
+@pytest.mark.usefixtures("app")
+def test_positional_and_keyword_submissions_lock_the_same_key(store: MemoryBackend) -> None:
+    run = new_run()
+    tasks.charge.delay(run, 5).get(timeout=10)
+    assert tasks.charge.apply_async(kwargs={"run": run, "amount": 5}).get(timeout=10)
+    assert len(tasks.SEEN[run]) == 1  # once: the keyword call found the positional one's key
+
+
+@pytest.mark.usefixtures("app")
+def test_literal_template_form_works(store: MemoryBackend) -> None:
+    run = new_run()
+    with pytest.raises(KeyError):
+        tasks.explode.delay(run).get(timeout=10)
+    assert tasks.SEEN[run][0]["key"] == f"job:explode:{run}"
+
+
+@pytest.mark.usefixtures("app")
+def test_exception_is_recorded_failed_with_type_message_and_traceback(store: MemoryBackend) -> None:
+    run = new_run()
+    with pytest.raises(KeyError):
+        tasks.explode.delay(run).get(timeout=10)
+    [record] = store.history(key=f"job:explode:{run}")
+    assert record.outcome is Outcome.FAILED
+    assert record.problem == "KeyError"
+    assert record.details is not None
+    assert f"no such order in {run}" in record.details
+    assert "Traceback" in record.details and "embedded_tasks.py" in record.details
+    assert store.get(f"job:explode:{run}") is None
+
+
+@pytest.mark.usefixtures("app")
+def test_ignore_is_recorded_skipped(store: MemoryBackend) -> None:
+    run = new_run()
+    result = tasks.ignore.delay(run)
+    eventually(lambda: store.history(key=f"job:ignore:{run}"), "a record")
+    [record] = store.history(key=f"job:ignore:{run}")
+    assert record.outcome is Outcome.SKIPPED and record.problem == "celery.exceptions.Ignore"
+    assert store.get(f"job:ignore:{run}") is None
+    assert not result.ready()  # Celery's own semantics for Ignore
+
+
+@pytest.mark.usefixtures("app")
+def test_reject_is_recorded_failed(store: MemoryBackend) -> None:
+    run = new_run()
+    tasks.reject.delay(run)
+    eventually(lambda: store.history(key=f"job:reject:{run}"), "a record")
+    [record] = store.history(key=f"job:reject:{run}")
+    assert record.outcome is Outcome.FAILED and record.problem == "celery.exceptions.Reject"
+    assert record.details is not None and record.details.startswith("requeue=False")
+
+
+@pytest.mark.usefixtures("app")
+def test_long_body_keeps_a_short_lease_by_renewal(store: MemoryBackend) -> None:
+    run = new_run()
+    expiries = tasks.long.delay(run, 1.2).get(timeout=15)
+    assert expiries[-1] > expiries[0] + 0.5  # renewed several times
+    [record] = store.history(key=f"job:long:{run}")
+    assert record.outcome is Outcome.SUCCEEDED
+
+
+@pytest.mark.usefixtures("app")
+def test_a_direct_call_runs_locked(store: MemoryBackend) -> None:
+    run = new_run()
+    assert tasks.refund(run) == "refunded"
+    [seen] = tasks.SEEN[run]
+    assert seen["key"] == f"job:order:{run}"
+    assert outcomes(store, f"job:order:{run}") == [Outcome.SUCCEEDED]
+
+
+@pytest.mark.usefixtures("broken_store")
+def test_store_failure_retries_the_task_and_never_runs_it_unlocked(
+    app: Any, store: MemoryBackend
+) -> None:
+    run = new_run()
+    result = tasks.refund.delay(run)
+    deadline = time.monotonic() + 15
+    while result.state != "RETRY":
+        assert time.monotonic() < deadline, f"state stayed {result.state}"
+        time.sleep(0.02)
+    assert tasks.SEEN[run] == []
+    app.conf.dlock_backend = "memory://celery-tests"  # the store is back
+    forget_settings(app)
+    assert result.get(timeout=20) == "refunded"
+    [seen] = tasks.SEEN[run]
+    assert seen["key"] == f"job:order:{run}"  # ran under the lock, once the store was back
+    assert [r.outcome for r in store.history(key=f"job:order:{run}")] == [Outcome.SUCCEEDED]
+
+
+@pytest.mark.usefixtures("broken_store")
+def test_store_failure_with_run_policy_runs_unlocked_and_says_so(
+    app: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    app.conf.dlock_on_backend_error = "run"
+    forget_settings(app)
+    run = new_run()
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        assert tasks.refund.delay(run).get(timeout=10) == "refunded"
+    [seen] = tasks.SEEN[run]
+    assert seen["key"] is None  # no lease: it ran unlocked
+    assert any("UNLOCKED" in message for message in caplog.messages)
+
+
+def test_store_failure_in_a_direct_call_raises(app: Any, broken_store: None) -> None:
+    with pytest.raises(BackendError):
+        tasks.refund(new_run())
