@@ -7,6 +7,7 @@
      │   └─ LockTimeoutError          still held after waiting (also a TimeoutError)
      ├─ LockLostError                 our lease was taken over or expired
      ├─ AlreadySucceededError         a once task's success is kept already (first wins)
+     ├─ DuplicateTaskError            a dedupe task with this key is queued already
      ├─ BackendError                  the store failed; the driver's exception is __cause__
      └─ ConfigurationError            (also a ValueError)
          ├─ LockKeyError              template/argument problems, bad keys
@@ -26,6 +27,7 @@ __all__ = [
     "BackendError",
     "ConfigurationError",
     "DLockError",
+    "DuplicateTaskError",
     "LockKeyError",
     "LockLostError",
     "LockNotAcquiredError",
@@ -117,6 +119,25 @@ class AlreadySucceededError(DLockError):
             f"{self.task_name} already succeeded on {self.key!r} (fence {self.fence}{by}): "
             "the first success wins"
         )
+
+
+class DuplicateTaskError(DLockError):
+    """A task with ``dedupe`` was not sent: a message of the same task and key is queued
+    (or running, with ``until_finished``) already.
+
+    Args:
+        key: the key of the dedupe mark (``<lock key>#queued:<task name>``).
+        task_id: the id of the queued task (its ``AsyncResult``), when known.
+    """
+
+    def __init__(self, key: str, task_id: str | None = None) -> None:
+        super().__init__(key, task_id)
+        self.key = key
+        self.task_id = task_id
+
+    def __str__(self) -> str:
+        queued = f" as task {self.task_id}" if self.task_id else ""
+        return f"not sent: {self.key!r} is queued already{queued}"
 
 
 class BackendError(DLockError):

@@ -63,6 +63,13 @@ def validate_wait(wait: float | None) -> float | None:
     return float(wait)
 
 
+def validate_limit(limit: int) -> int:
+    """``limit`` as a count of slots >= 1; a ConfigurationError otherwise."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigurationError(f"limit must be a whole number >= 1, not {limit!r}")
+    return limit
+
+
 class Lock:
     """A lock on one key of one backend.
 
@@ -79,6 +86,9 @@ class Lock:
         on_lost: called from a background thread when the lease is lost: a renewal found it
             gone, or (leases without ``ttl`` on a store whose liveness is a session) the
             holder's session ended.
+        limit: at most this many holders at once (a semaphore): each holds one of
+            ``limit`` slots, the keys ``key#0`` .. ``key#<limit-1>``, with a lease, token
+            and fence of its own; slots are tried in a random order. 1: the key itself.
 
     Attributes:
         success_retry: seconds :meth:`release` keeps trying to store a success with a
@@ -101,9 +111,17 @@ class Lock:
         holder: Holder | None = None,
         renew: bool | None = None,
         on_lost: Callable[[Lease], None] | None = None,
+        limit: int = 1,
     ) -> None:
         self.backend = shared_backend(backend) if isinstance(backend, str) else backend
         self.key = validate_key(key)
+        self.limit = validate_limit(limit)
+        #: The keys a holder may take: the key itself, or its ``limit`` slots.
+        self.slots: tuple[str, ...] = (
+            (self.key,)
+            if self.limit == 1
+            else tuple(validate_key(f"{self.key}#{n}") for n in range(self.limit))
+        )
         self.ttl = validate_ttl(ttl)
         self.wait = validate_wait(wait)
         self.holder = holder
@@ -152,8 +170,10 @@ class Lock:
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
         try:
             while True:
-                lease = self.backend.try_acquire(self.key, holder, self.ttl, replace, place)
+                lease = self._try(holder, replace, place)
                 if lease is not None:
+                    if place is not None and place.key != lease.key:
+                        place.leave()  # another slot came free first
                     place = None  # used up
                     if replace is not None:
                         held().discard(replace)  # taken over: kept no longer
@@ -164,13 +184,40 @@ class Lock:
                     raise self._busy(limit)
                 pause = POLL * random.uniform(0.5, 1.0)
                 pause = pause if remaining is None else min(pause, remaining)
-                place = self.backend.wait(self.key, pause, place)
+                waiting_on = random.choice(self.slots) if place is None else place.key
+                place = self.backend.wait(waiting_on, pause, place)
         finally:
             if place is not None:
                 place.leave()
 
+    def _try(self, holder: Holder, replace: str | None, place: Place | None) -> Lease | None:
+        """One attempt at the key, or at each slot in a random order (the slot of the lease
+        ``replace`` names first)."""
+        if self.limit == 1:
+            return self.backend.try_acquire(self.key, holder, self.ttl, replace, place)
+        slots = random.sample(self.slots, self.limit)
+        if replace is not None:
+            kept = [slot for slot in slots if _token(self.backend.get(slot)) == replace]
+            slots = kept + [slot for slot in slots if slot not in kept]
+        for slot in slots:
+            mine = place if place is not None and place.key == slot else None
+            lease = self.backend.try_acquire(slot, holder, self.ttl, replace, mine)
+            if lease is not None:
+                return lease
+        return None
+
+    def attempt(self) -> Lease | None:
+        """One try, without waiting and without raising for a busy key: the lease, now
+        held, or None (then :meth:`current` tells who holds the key)."""
+        if self._lease is not None:
+            raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
+        lease = self._try(self.holder or Holder.current(), None, None)
+        if lease is not None:
+            self._held(lease)
+        return lease
+
     def _busy(self, waited: float | None) -> LockNotAcquiredError:
-        current = self.backend.get(self.key)
+        current = self.current()
         holder = None if current is None else current.holder.describe()
         if not waited:
             return LockNotAcquiredError(self.key, holder)
@@ -289,12 +336,24 @@ class Lock:
         return kept
 
     def current(self) -> Lease | None:
-        """The lease on this key now, whoever holds it, or None.
+        """The lease on this key now, whoever holds it, or None (with a ``limit``: one of
+        the leases on its slots, see :meth:`holders`).
 
         Raises:
             BackendError: the store failed.
         """
-        return self.backend.get(self.key)
+        if self.limit == 1:
+            return self.backend.get(self.key)
+        return next(iter(self.holders()), None)
+
+    def holders(self) -> list[Lease]:
+        """Every lease on this key now (on each of its slots, with a ``limit``).
+
+        Raises:
+            BackendError: the store failed.
+        """
+        found = [self.backend.get(slot) for slot in self.slots]
+        return [lease for lease in found if lease is not None]
 
     def end(
         self,
@@ -305,7 +364,7 @@ class Lock:
     ) -> Record | None:
         """Release ``lease`` of this key, which this Lock does not hold (a dead process's,
         found by :meth:`current`), by its token; None if it was no longer current."""
-        if lease.key != self.key:
+        if lease.key not in self.slots:
             raise ConfigurationError(f"lease of {lease.key!r} given to the lock of {self.key!r}")
         return self.backend.release(lease, outcome, problem, details)
 
@@ -369,3 +428,7 @@ def lock(
     :class:`LockLostError` (unless it already raised).
     """
     return Lock(backend, key, ttl, wait, **options)
+
+
+def _token(lease: Lease | None) -> str | None:
+    return None if lease is None else lease.token

@@ -45,6 +45,8 @@ class Outcome(str, Enum):
     EXPIRED = "expired"
     FORCED = "forced"
     LOST = "lost"
+    #: A dedupe mark released because a worker started its task (``until_started``).
+    DEQUEUED = "dequeued"
 
     def __str__(self) -> str:
         return self.value

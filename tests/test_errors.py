@@ -10,6 +10,7 @@ from celery_dlock import (
     BackendError,
     ConfigurationError,
     DLockError,
+    DuplicateTaskError,
     LockKeyError,
     LockLostError,
     LockNotAcquiredError,
@@ -26,6 +27,8 @@ EXAMPLES: list[DLockError] = [
     LockTimeoutError("job:order:42", 5.0, "pid 7 on web-1"),
     LockLostError("job:order:42", 17, "renew"),
     AlreadySucceededError("job:order:42", "payments.charge", 17, "5f1c"),
+    DuplicateTaskError("job:customer:7#queued:sync", "5f1c"),
+    DuplicateTaskError("job:customer:7#queued:sync"),
     BackendError("cannot reach the store", "redis://:***@cache:6379/0"),
     ConfigurationError("bad option"),
     LockKeyError("the lock key is empty"),
@@ -74,6 +77,9 @@ def test_messages_name_what_went_wrong() -> None:
     assert "pip install 'celery-dlock[postgres]'" in str(
         MissingDependencyError("postgresql", "psycopg", "postgres")
     )
+    assert str(DuplicateTaskError("job:k#queued:t", "5f1c")) == (
+        "not sent: 'job:k#queued:t' is queued already as task 5f1c"
+    )
     assert str(LockLostError("job:k", 3, "release")) == (
         "lease on 'job:k' with fence 3 was lost (seen on release)"
     )
@@ -86,5 +92,11 @@ def test_error_tree() -> None:
         assert issubclass(cls, ConfigurationError)
     assert issubclass(ConfigurationError, ValueError)
     assert issubclass(MissingDependencyError, ImportError)
-    for cls in (LockNotAcquiredError, LockLostError, BackendError, ConfigurationError):
+    for cls in (
+        LockNotAcquiredError,
+        LockLostError,
+        DuplicateTaskError,
+        BackendError,
+        ConfigurationError,
+    ):
         assert issubclass(cls, DLockError)

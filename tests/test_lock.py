@@ -3,6 +3,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -215,3 +216,25 @@ def test_a_url_backend_is_made_once_per_process(tmp_path: Path) -> None:
     assert first.backend is second.backend
     with first:
         assert second.backend.get("job:a") is not None
+
+
+def test_attempt_takes_a_free_key_and_answers_none_for_a_busy_one(backend: MemoryBackend) -> None:
+    first = Lock(backend, "job:attempt")
+    taken = first.attempt()
+    assert taken is not None and first.lease == taken
+    second = Lock(backend, "job:attempt")
+    assert second.attempt() is None and second.lease is None  # busy: no error, nothing held
+    current = second.current()
+    assert current is not None and current.token == taken.token
+    first.release()
+    again = second.attempt()
+    assert again is not None and again.fence > taken.fence
+    with pytest.raises(ConfigurationError, match="already held"):
+        second.attempt()
+    second.release()
+
+
+@pytest.mark.parametrize("limit", [0, -1, 1.5, True, "2"])
+def test_a_bad_limit_is_refused_by_name(backend: MemoryBackend, limit: Any) -> None:
+    with pytest.raises(ConfigurationError, match="limit must be a whole number"):
+        Lock(backend, "job:x", limit=limit)

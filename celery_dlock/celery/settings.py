@@ -59,6 +59,8 @@ class Settings:
     on_backend_error: Literal["retry", "run"]
     #: ``backend`` is the local file store used because ``dlock_backend`` is not set.
     default_backend: bool = False
+    #: Seconds a ``dedupe`` mark lives past its message's countdown (``dlock_dedupe_ttl``).
+    dedupe_ttl: float = 3600.0
 
 
 def default_backend_url() -> str:
@@ -118,7 +120,8 @@ def _read_settings(app: Celery) -> Settings:
         raise ConfigurationError(
             f"dlock_on_backend_error must be 'retry' (fail closed) or 'run', not {on_error!r}"
         )
-    return Settings(url, namespace, ttl, interval, retention, on_error, default)
+    dedupe_ttl = _seconds(conf.get("dlock_dedupe_ttl", 3600.0), "dlock_dedupe_ttl")
+    return Settings(url, namespace, ttl, interval, retention, on_error, default, dedupe_ttl)
 
 
 def _seconds(value: Any, name: str) -> float:

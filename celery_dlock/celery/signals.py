@@ -23,6 +23,7 @@ from billiard.exceptions import WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
+from celery_dlock.celery.dedupe import end_mark_of_attempt
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import DLockError
 from celery_dlock.lock import Lock
@@ -64,6 +65,10 @@ def _task_failed(
 ) -> None:
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return
+    if task_id is not None:  # the child died: its message's dedupe mark goes too
+        details = f"{type(exception).__name__}: {exception}"
+        attempt = {"args": args, "kwargs": kwargs, "details": details}
+        end_mark_of_attempt(sender, task_id, outcome=Outcome.DISCONNECTED, **attempt)
     _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
 
 
@@ -72,9 +77,17 @@ def _task_revoked(
     request: Any = None,
     terminated: bool = False,
     signum: Any = None,
+    expired: bool = False,
     **_: Any,
 ) -> None:
-    if not terminated or request is None:
+    if request is None:
+        return
+    # A message revoked (or expired) before it ran, or a run terminated: its dedupe mark goes.
+    outcome = Outcome.EXPIRED if expired else Outcome.REVOKED
+    why = "expired before it ran" if expired else "revoked"
+    args, kwargs = request.args, request.kwargs
+    end_mark_of_attempt(sender, request.id, args=args, kwargs=kwargs, outcome=outcome, details=why)
+    if not terminated:
         return
     reason = f"revoked and terminated with signal {signum}"
     _release_later(
@@ -123,13 +136,15 @@ def release_dead_attempt(
     is still alive and ``wait`` is 0."""
     try:
         key = task.lock_key_for(tuple(args or ()), dict(kwargs or {}))
-        lock = Lock(settings(task.app).backend, key)
-        lease = lock.current()
+        limit = getattr(task, "lock_limit", 1)
+        lock = Lock(settings(task.app).backend, key, limit=limit)
+        ours = [lease for lease in lock.holders() if lease.holder.task_id == task_id]
     except DLockError as exc:
         logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc)
         return None
-    if lease is None or lease.holder.task_id != task_id:
+    if not ours:
         return None  # released already, or another attempt's
+    lease = ours[0]
     deadline = time.monotonic() + wait
     while not lease.holder.is_gone():
         if wait == 0:

@@ -40,7 +40,9 @@ from celery._state import _task_stack
 from celery.exceptions import Reject, Retry
 
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import signals
+from celery_dlock.celery import dedupe, signals
+from celery_dlock.celery.dedupe import DEDUPE_HEADER
+from celery_dlock.celery.options import check_options
 from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
 from celery_dlock.celery.settings import settings, warn_if_default_store
 from celery_dlock.errors import (
@@ -52,7 +54,7 @@ from celery_dlock.errors import (
     LockNotAcquiredError,
 )
 from celery_dlock.keys import KeyTemplate
-from celery_dlock.lock import DEFAULT, Lock, validate_wait
+from celery_dlock.lock import DEFAULT, Lock
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["LockedTask"]
@@ -66,9 +68,6 @@ BUSY_HEADER = "dlock_busy"
 #: A lease kept for a retry also gets this long, past the retry's countdown, before it
 #: expires by itself if the retry never comes.
 RETRY_GRACE = 300.0
-
-_ON_LOCKED = ("retry", "skip", "fail")
-_ON_LOST = ("log", "raise")
 
 
 class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
@@ -87,6 +86,15 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     lock_retry_backoff_max: ClassVar[float] = 60.0
     #: Re-queues for a busy key before giving up with LockNotAcquiredError; None: no limit.
     lock_retry_max: ClassVar[int | None] = None
+    #: At most this many bodies at once per key, each in a slot of its own (``key#n``).
+    lock_limit: ClassVar[int] = 1
+    #: Enqueue-time de-duplication: None, "until_started" or "until_finished" (see dedupe).
+    dedupe: ClassVar[str | None] = None
+    #: A duplicate ``apply_async``: "return" the queued task's AsyncResult, "raise"
+    #: DuplicateTaskError, or a callable ``(task, mark key, queued task id)``.
+    on_duplicate: ClassVar[Any] = "return"
+    #: Seconds a dedupe mark lives past its message's countdown; None: ``dlock_dedupe_ttl``.
+    dedupe_ttl: ClassVar[float | None] = None
     throws = (LockNotAcquiredError,)
 
     _dlock_template: ClassVar[KeyTemplate | None] = None
@@ -102,7 +110,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             raise LockKeyError(f"task {name} has base=LockedTask but no lock_key")
         func = run.__func__ if isinstance(run, staticmethod) else functools.partial(run, None)
         cls._dlock_template = KeyTemplate(cls.lock_key, func, namespace="", owner=name)
-        _check_options(cls, name)
+        check_options(cls, name)
 
     # -- what the body sees --------------------------------------------------------------
 
@@ -171,6 +179,34 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         body = template.render(tuple(args or ()), kwargs or {})
         return f"{namespace}:{body}" if namespace else body
 
+    # -- sending -------------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; with ``dedupe``, nothing is sent while a message of this
+        task and key is queued (see :mod:`celery_dlock.celery.dedupe`). A retry, a re-queue
+        and an eager run are the same logical task and pass through; so does a message that
+        is part of a workflow (see ``dedupe.in_workflow``)."""
+        headers = options.get("headers") or {}
+        if (
+            self.dedupe is None
+            or DEDUPE_HEADER in headers
+            or BUSY_HEADER in headers
+            or options.get("retries")
+            or self.app.conf.task_always_eager
+            or dedupe.in_workflow(options)
+        ):
+            return super().apply_async(args, kwargs, task_id, **options)
+        message = {**options, "task_id": task_id}
+        return dedupe.send(
+            self, tuple(args or ()), dict(kwargs or {}), message, super().apply_async
+        )
+
     # -- running -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -181,11 +217,34 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             _task_stack.push(self)
             self.push_request(args=args, kwargs=kwargs)
         try:
-            return self._run_locked(args, kwargs)
+            mark = None if self.dedupe is None else dedupe.mark_of(self.request)
+            if mark is None:
+                return self._run_locked(args, kwargs)
+            return self._run_marked(mark, args, kwargs)
         finally:
             if direct:
                 self.pop_request()
                 _task_stack.pop()
+
+    def _run_marked(self, mark: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a request sent under a dedupe mark, and release the mark by its token: as it
+        starts (``until_started``), or when it ends (``until_finished``; a retry keeps it)."""
+        where = getattr(self.request, "hostname", None) or "a direct call"
+        if self.dedupe == "until_started":
+            dedupe.end_mark(self, mark, Outcome.DEQUEUED, f"started by {where}")
+            return self._run_locked(args, kwargs)
+        ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
+        try:
+            return self._run_locked(args, kwargs)
+        except Retry:
+            ended = None  # the same logical task goes on: it keeps the mark
+            raise
+        except BaseException as exc:
+            ended = (outcome_of(exc), f"ended on {where} by {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if ended is not None:
+                dedupe.end_mark(self, mark, *ended)
 
     def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
@@ -206,6 +265,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             self.lock_wait,
             holder=holder,
             on_lost=lambda lease: self._lease_lost(lease, task_thread),
+            limit=self.lock_limit,
         )
         try:
             lock.acquire(replace=_header(request, RETRY_HEADER))
@@ -382,32 +442,6 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(task_thread), ctypes.py_object(LockLostError)
             )
-
-
-def _check_options(cls: type[LockedTask], name: str) -> None:
-    """Refuse bad task options when the task is defined, naming the task."""
-    try:
-        if cls.lock_ttl is not DEFAULT:
-            validate_ttl(cls.lock_ttl)
-        try:
-            validate_wait(cls.lock_wait)
-        except ConfigurationError as exc:
-            raise ConfigurationError(f"lock_wait: {exc}") from None
-        if not callable(cls.on_locked) and cls.on_locked not in _ON_LOCKED:
-            choices = ", ".join(_ON_LOCKED)
-            raise ConfigurationError(
-                f"on_locked must be one of {choices} or a callable, not {cls.on_locked!r}"
-            )
-        if not callable(cls.on_lock_lost) and cls.on_lock_lost not in _ON_LOST:
-            raise ConfigurationError(
-                f"on_lock_lost must be 'log', 'raise' or a callable, not {cls.on_lock_lost!r}"
-            )
-        for option in ("lock_retry_backoff", "lock_retry_backoff_max"):
-            value = getattr(cls, option)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigurationError(f"{option} must be seconds > 0, not {value!r}")
-    except ConfigurationError as exc:
-        raise ConfigurationError(f"task {name}: {exc}") from None
 
 
 def _header(request: Any, name: str) -> Any:

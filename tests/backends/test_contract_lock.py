@@ -97,3 +97,42 @@ def test_a_waiters_place_goes_with_it_to_try_acquire_and_is_used_up(store: Store
         place.leave()
         place.leave()
     assert waiter.release(taken, Outcome.SUCCEEDED) is not None
+
+
+def test_a_limit_lets_that_many_hold_at_once_each_in_a_slot_of_its_own(store: StoreCase) -> None:
+    """``Lock(..., limit=3)``: a semaphore over slots ``key#0..2``, on every store."""
+    locks = [Lock(store.second(), "job:pool", limit=3) for _ in range(4)]
+    leases = [lock.attempt() for lock in locks[:3]]
+    assert all(leases)
+    held = [lease for lease in leases if lease is not None]
+    assert sorted(lease.key for lease in held) == ["job:pool#0", "job:pool#1", "job:pool#2"]
+    assert len({lease.token for lease in held}) == 3  # fences are per slot, as per key
+    assert locks[3].attempt() is None  # a fourth is refused
+    assert sorted(lease.token for lease in locks[3].holders()) == sorted(h.token for h in held)
+    freed = held[1].key
+    assert locks[1].release() is not None
+    taken = locks[3].attempt()
+    assert taken is not None and taken.key == freed  # the freed slot, and only it
+    for lock in (locks[0], locks[2], locks[3]):
+        lock.release()
+    outcomes = {r.key: r.outcome for r in store.backend.history(limit=None)}
+    assert set(outcomes) == {"job:pool#0", "job:pool#1", "job:pool#2"}  # history names the slot
+
+
+def test_a_waiter_on_a_full_limit_takes_the_first_slot_freed(store: StoreCase) -> None:
+    holders = [Lock(store.backend, "job:pool-wait", limit=2) for _ in range(2)]
+    for lock in holders:
+        assert lock.attempt() is not None
+    waiter = Lock(store.second(), "job:pool-wait", wait=30.0, limit=2)
+    taken: list[Lease] = []
+    thread = threading.Thread(target=lambda: taken.append(waiter.acquire()), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert taken == []
+    slot = holders[0].lease.key if holders[0].lease else ""
+    holders[0].release()
+    thread.join(timeout=30)
+    [lease] = taken
+    assert lease.key == slot
+    waiter.release()
+    holders[1].release()

@@ -48,6 +48,11 @@ def test_bound_task_signature_skips_self(celery_session_app: Any) -> None:
         ({"lock_key": "o:{order_id}", "lock_ttl": 0}, "ttl"),
         ({"lock_key": "o:{order_id}", "lock_wait": -1}, "lock_wait"),
         ({"lock_key": "o:{order_id}", "on_lock_lost": "panic"}, "on_lock_lost"),
+        ({"lock_key": "o:{order_id}", "lock_limit": 0}, "limit must be a whole number"),
+        ({"lock_key": "o:{order_id}", "lock_limit": 2, "once": True}, "once needs lock_limit=1"),
+        ({"lock_key": "o:{order_id}", "dedupe": "until_done"}, "dedupe must be None"),
+        ({"lock_key": "o:{order_id}", "dedupe": "until_started", "on_duplicate": "drop"}, "on_dup"),
+        ({"lock_key": "o:{order_id}", "dedupe": "until_started", "dedupe_ttl": -1}, "ttl"),
         ({}, "no lock_key"),
     ],
 )

@@ -166,3 +166,24 @@ def test_acks_late_redelivery_never_runs_a_second_body_at_once(
         assert_never_overlapping(events[:2])
         first_token = events[0][1]
         assert skipped.lease.token != first_token
+
+
+@pytest.mark.slow
+def test_lock_limit_runs_at_most_that_many_bodies_at_once_each_in_its_slot(
+    worker: Worker,
+) -> None:
+    tenant = uuid.uuid4().hex[:8]
+    results = [worker.tasks.pooled.delay(tenant, n) for n in range(6)]
+    for result in results:
+        result.get(timeout=120)
+    events = [e for e in worker.events() if (e["key"] or "").startswith(f"job:pool:{tenant}#")]
+    assert len(events) == 12  # all six ran
+    at_once, most = 0, 0
+    for event in events:  # the ledger is written in order, under a file lock
+        at_once += 1 if event["event"] == "start" else -1
+        most = max(most, at_once)
+    assert most == 2  # never more than lock_limit at once, and the limit was used
+    slots = {
+        r.key for r in worker.store.history(limit=None) if r.key.startswith(f"job:pool:{tenant}")
+    }
+    assert slots == {f"job:pool:{tenant}#0", f"job:pool:{tenant}#1"}

@@ -190,3 +190,85 @@ def pay(self: Any, order_id: str, transactional: bool) -> dict[str, Any]:
         hook.unlink()
         os.kill(os.getpid(), signal.SIGKILL)
     return result
+
+
+# -- enqueue-time de-duplication (tests/celery/test_dedupe.py) ------------------------------
+
+
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.sync",
+    lock_key="sync:{customer}",
+    dedupe="until_started",
+)
+def sync(self: Any, customer: str, seconds: float) -> dict[str, Any]:
+    return _body(self, seconds)
+
+
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.sync_strict",
+    lock_key="sync:{customer}",
+    dedupe="until_started",
+    on_duplicate="raise",
+)
+def sync_strict(self: Any, customer: str) -> dict[str, Any]:
+    return _body(self, 0)
+
+
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.report",
+    lock_key="report:{customer}",
+    dedupe="until_finished",
+    max_retries=1,
+)
+def report(
+    self: Any, customer: str, seconds: float, fail: bool = False, retry: bool = False
+) -> dict[str, Any]:
+    ledger("start", self, retries=self.request.retries)
+    if retry and self.request.retries == 0:
+        raise self.retry(countdown=2)
+    time.sleep(seconds)
+    if fail:
+        raise ValueError(f"report of {customer} failed")
+    ledger("end", self)
+    return {"fence": self.lease.fence}
+
+
+def _coalesced(task: Any, key: str, queued_id: str | None) -> dict[str, Any]:
+    """An ``on_duplicate`` callable: what a duplicate ``apply_async`` returns instead."""
+    return {"task": task.name, "mark": key, "queued": queued_id}
+
+
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.sync_custom",
+    lock_key="sync:{customer}",
+    dedupe="until_started",
+    on_duplicate=_coalesced,
+)
+def sync_custom(self: Any, customer: str) -> dict[str, Any]:
+    return _body(self, 0)
+
+
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.pooled",
+    lock_key="pool:{tenant}",
+    lock_limit=2,
+    lock_retry_backoff=0.05,
+    lock_retry_backoff_max=0.3,
+)
+def pooled(self: Any, tenant: str, n: int) -> dict[str, Any]:
+    return _body(self, 0.4, n=n)

@@ -1,0 +1,190 @@
+"""Enqueue-time de-duplication (``dedupe``): guarding the queue, not only the body.
+
+A ``LockedTask`` with ``dedupe`` takes a *mark* before it sends a message: a lease in the
+task's lock store on ``<lock key>#queued:<task name>``, held on behalf of the message (its
+holder names the producer and the new task id), with a ttl (``dedupe_ttl``, plus any
+countdown) so that a message that is lost never blocks the key for ever. A second
+``apply_async`` with the same key while the mark is held sends nothing and answers with the
+queued task's ``AsyncResult`` (``on_duplicate``). The mark travels in a message header; the
+worker releases it by that lease's token, never by key alone:
+
+- ``until_started``: when a worker starts the task (recorded ``dequeued``): at most one
+  more run can queue behind a running one;
+- ``until_finished``: when the body ends, with the body's outcome; a retry (``self.retry``,
+  or a re-queue for a busy body lock) is the same logical task and keeps the mark.
+
+A message that is part of a workflow (it carries the rest of a chain, callbacks, or belongs
+to a group or chord) is always sent, without a mark: not sending it would drop the rest of
+the chain, or leave the group waiting for a result under an id that never runs. The body
+lock still guards it.
+
+A message revoked or expired before it ran releases its mark when the worker discards it
+(``revoked``, ``expired``); a child that died mid-task releases it from the parent
+(``disconnected``); a send that fails releases it before ``apply_async`` raises
+(``failed``). ``send_task`` by name does not pass through the task class, so it is not
+guarded at enqueue; the body lock still guards the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery.utils import uuid
+
+from celery_dlock.celery.settings import settings
+from celery_dlock.errors import BackendError, DuplicateTaskError
+from celery_dlock.lock import Lock
+from celery_dlock.records import Holder, Lease, Outcome, Record
+
+__all__ = [
+    "DEDUPE_HEADER",
+    "MODES",
+    "ON_DUPLICATE",
+    "end_mark",
+    "end_mark_of_attempt",
+    "in_workflow",
+    "mark_key",
+    "mark_of",
+    "send",
+]
+
+logger = logging.getLogger("celery_dlock.dedupe")
+
+#: The message header that carries the mark's lease.
+DEDUPE_HEADER = "dlock_dedupe"
+MODES = ("until_started", "until_finished")
+ON_DUPLICATE = ("return", "raise")
+#: Tries when the mark is released between our attempt and our look at its holder.
+_ATTEMPTS = 3
+
+
+def mark_key(lock_key: str, task_name: str) -> str:
+    """The key of the mark of ``task_name``'s messages for ``lock_key``: per task, so that a
+    queued ``charge`` does not hold back a ``refund`` of the same order."""
+    return f"{lock_key}#queued:{task_name}"
+
+
+def send(
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    send_message: Callable[..., Any],
+) -> Any:
+    """``apply_async`` under a mark: send ``args``/``kwargs`` with ``send_message`` (the
+    task's own ``apply_async``) unless a message of this task and key is queued already.
+
+    Raises:
+        DuplicateTaskError: a duplicate, with ``on_duplicate="raise"``.
+        BackendError: the store failed (nothing was sent).
+    """
+    current = settings(task.app)
+    key = mark_key(task.lock_key_for(args, kwargs, current.namespace), task.name)
+    task_id = options.pop("task_id", None) or uuid()
+    ttl = _ttl(task, current.dedupe_ttl, options)
+    holder = Holder.current(task_id=task_id, task_name=task.name)
+    mark = Lock(current.backend, key, ttl, holder=holder, renew=False)
+    for _ in range(_ATTEMPTS):
+        if mark.attempt() is not None:
+            break
+        queued = mark.current()
+        if queued is not None:
+            return _duplicate(task, key, queued)
+    else:  # released and taken again between our looks, each time: treat as queued
+        raise BackendError(f"the dedupe mark {key!r} changed hands {_ATTEMPTS} times", None)
+    lease = mark.detach()  # the message holds it now, not this process
+    headers = {**(options.pop("headers", None) or {}), DEDUPE_HEADER: lease.to_dict()}
+    try:
+        return send_message(args, kwargs, task_id=task_id, headers=headers, **options)
+    except BaseException as exc:
+        details = f"the message was not sent ({type(exc).__name__}: {exc})"
+        _end(mark, lease, Outcome.FAILED, type(exc).__name__, details)
+        raise
+
+
+#: Options of a message that is part of a workflow (a chain's rest, callbacks, a group).
+_WORKFLOW = ("chain", "link", "link_error", "group_id", "chord")
+
+
+def in_workflow(options: dict[str, Any]) -> bool:
+    """Whether the message of ``options`` carries or belongs to a workflow."""
+    return any(options.get(name) for name in _WORKFLOW)
+
+
+def _ttl(task: Any, default: float, options: dict[str, Any]) -> float:
+    """The mark lives ``dedupe_ttl`` past the message's countdown or eta."""
+    ttl = float(task.dedupe_ttl) if task.dedupe_ttl is not None else default
+    countdown = options.get("countdown")
+    eta = options.get("eta")
+    if isinstance(countdown, (int, float)):
+        ttl += max(0.0, float(countdown))
+    elif eta is not None and hasattr(eta, "timestamp"):
+        ttl += max(0.0, eta.timestamp() - time.time())
+    return ttl
+
+
+def _duplicate(task: Any, key: str, queued: Lease) -> Any:
+    task_id = queued.holder.task_id
+    policy = task.on_duplicate
+    logger.info("%s not sent: %s is queued already as %s", task.name, key, task_id)
+    if callable(policy):  # a function set on the task class is bound: it gets the task first
+        return policy(key, task_id)
+    if policy == "raise":
+        raise DuplicateTaskError(key, task_id)
+    return task.AsyncResult(task_id)
+
+
+def mark_of(request: Any) -> Lease | None:
+    """The mark a worker's request carries in its headers, or None."""
+    headers = getattr(request, "headers", None) or {}
+    found = headers.get(DEDUPE_HEADER) if isinstance(headers, dict) else None
+    if found is None:
+        found = getattr(request, DEDUPE_HEADER, None)
+    if not isinstance(found, dict):
+        return None
+    try:
+        return Lease.from_dict(found)
+    except (KeyError, TypeError, ValueError):
+        logger.warning("ignoring a malformed %s header: %r", DEDUPE_HEADER, found)
+        return None
+
+
+def end_mark(task: Any, mark: Lease, outcome: Outcome, details: str) -> Record | None:
+    """Release ``mark`` by its token, recorded as ``outcome``; a mark that ended meanwhile
+    (its ttl ran out, an operator released it) is left alone. Store errors are logged:
+    the mark then ends at its ttl."""
+    lock = Lock(settings(task.app).backend, mark.key)
+    return _end(lock, mark, outcome, None, details)
+
+
+def _end(
+    lock: Lock, mark: Lease, outcome: Outcome, problem: str | None, details: str
+) -> Record | None:
+    try:
+        return lock.end(mark, outcome, problem, details)
+    except BackendError as exc:
+        logger.error("could not release the dedupe mark %s (it ends at its ttl): %s", mark.key, exc)
+        return None
+
+
+def end_mark_of_attempt(
+    task: Any, task_id: str, *, args: Any, kwargs: Any, outcome: Outcome, details: str
+) -> Record | None:
+    """Release the mark of ``task_id`` found in the store (for the worker's parent, which
+    has no headers: a child that died, a message discarded): only a mark whose holder is
+    that task id, by that mark's token."""
+    if getattr(task, "dedupe", None) is None:
+        return None
+    try:
+        key = mark_key(task.lock_key_for(tuple(args or ()), dict(kwargs or {})), task.name)
+        lock = Lock(settings(task.app).backend, key)
+        mark = lock.current()
+    except BackendError as exc:
+        logger.error("cannot look up the dedupe mark of %s[%s]: %s", task.name, task_id, exc)
+        return None
+    if mark is None or mark.holder.task_id != task_id:
+        return None
+    return _end(lock, mark, outcome, None, details)

@@ -1,0 +1,233 @@
+"""Enqueue-time de-duplication (``dedupe``) with a real prefork worker on a Redis broker, on
+the Postgres and file lock stores: what a duplicate ``apply_async`` gets, and every way a
+mark ends (started, finished, failed, retried, revoked while queued, expired, a send that
+fails, a child that dies), each recorded in the history of the mark's key; what is not
+guarded at enqueue (``send_task``) is still guarded by the body lock."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import uuid
+from typing import Any
+
+import pytest
+from celery import chain, group
+
+from celery_dlock import DuplicateTaskError, Outcome
+from celery_dlock.records import Record
+from tests.celery.prefork import Worker, assert_never_overlapping, bodies
+from tests.support import eventually
+
+pytestmark = pytest.mark.slow
+
+
+def customer() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+def mark_of(task: str, resource: str) -> str:
+    return f"job:{resource}#queued:{task}"
+
+
+def started(worker: Worker, task_id: str) -> dict[str, Any]:
+    return eventually(
+        lambda: next(
+            (e for e in worker.events() if e["id"] == task_id and e["event"] == "start"), None
+        ),
+        f"the body of {task_id} started",
+    )
+
+
+def marks(worker: Worker, key: str, count: int) -> list[Record]:
+    """The ``count`` records of the mark ``key``, oldest first, once they are all there."""
+
+    def enough() -> list[Record] | None:
+        found = worker.history(key)
+        return found if len(found) >= count else None
+
+    return eventually(enough, f"{count} records of {key}")
+
+
+def test_until_started_sends_one_message_and_lets_one_queue_behind_a_running_one(
+    worker: Worker,
+) -> None:
+    who = customer()
+    sync = worker.tasks.sync
+    queued = [sync.apply_async((who, 1.0), countdown=1) for _ in range(5)]
+    assert len({result.id for result in queued}) == 1  # one message; four got its result
+    started(worker, queued[0].id)
+    behind = sync.delay(who, 0.1)  # started: the mark is gone, one more may queue
+    assert behind.id != queued[0].id
+    assert sync.delay(who, 0.1).id == behind.id  # but only one
+    queued[0].get(timeout=60)
+    behind.get(timeout=60)
+    events = bodies(worker, f"job:sync:{who}")
+    assert len(events) == 4  # two bodies, one after the other
+    assert_never_overlapping(events)
+    key = mark_of("w.sync", f"sync:{who}")
+    records = marks(worker, key, 2)
+    assert [r.outcome for r in records] == [Outcome.DEQUEUED, Outcome.DEQUEUED]
+    assert [r.lease.holder.task_id for r in records] == [queued[0].id, behind.id]
+    assert worker.store.get(key) is None
+
+
+def test_until_finished_holds_while_running_and_ends_with_the_bodys_outcome(
+    worker: Worker,
+) -> None:
+    who = customer()
+    report = worker.tasks.report
+    first = report.delay(who, 1.0)
+    started(worker, first.id)
+    assert report.delay(who, 0).id == first.id  # running: still a duplicate
+    first.get(timeout=60)
+    key = mark_of("w.report", f"report:{who}")
+    [done] = marks(worker, key, 1)
+    assert done.outcome is Outcome.SUCCEEDED and done.lease.holder.task_id == first.id
+    again = report.delay(who, 0)  # finished: a new run may be sent
+    assert again.id != first.id
+    again.get(timeout=60)
+
+
+def test_a_failed_body_releases_its_mark_as_failed(worker: Worker) -> None:
+    who = customer()
+    result = worker.tasks.report.delay(who, 0, fail=True)
+    with pytest.raises(ValueError, match="failed"):
+        result.get(timeout=60)
+    [record] = marks(worker, mark_of("w.report", f"report:{who}"), 1)
+    assert record.outcome is Outcome.FAILED and "ValueError" in (record.details or "")
+
+
+def test_a_retry_is_the_same_logical_task_and_keeps_the_mark(worker: Worker) -> None:
+    who = customer()
+    report = worker.tasks.report
+    first = report.delay(who, 0, retry=True)
+    eventually(
+        lambda: [e for e in worker.events() if e["id"] == first.id and e.get("retries") == 0],
+        "the first attempt",
+    )
+    assert report.delay(who, 0).id == first.id  # between the attempts: still queued
+    first.get(timeout=60)
+    key = mark_of("w.report", f"report:{who}")
+    [record] = marks(worker, key, 1)  # one mark, ended once, by the retry's success
+    assert record.outcome is Outcome.SUCCEEDED
+    attempts = [e["retries"] for e in worker.events() if e["id"] == first.id and "retries" in e]
+    assert attempts == [0, 1]
+
+
+def test_a_message_revoked_while_queued_releases_its_mark(worker: Worker) -> None:
+    who = customer()
+    sync = worker.tasks.sync
+    queued = sync.apply_async((who, 0), countdown=2)
+    worker.app.control.revoke(queued.id)
+    key = mark_of("w.sync", f"sync:{who}")
+    [record] = marks(worker, key, 1)  # when the worker reaches the message, not at revoke
+    assert record.outcome is Outcome.REVOKED and record.lease.holder.task_id == queued.id
+    assert bodies(worker, f"job:sync:{who}") == []
+    assert sync.delay(who, 0).id != queued.id
+
+
+def test_an_expired_message_releases_its_mark_as_expired(worker: Worker) -> None:
+    who = customer()
+    sync = worker.tasks.sync
+    queued = sync.apply_async((who, 0), countdown=2, expires=1)
+    [record] = marks(worker, mark_of("w.sync", f"sync:{who}"), 1)
+    assert record.outcome is Outcome.EXPIRED and record.lease.holder.task_id == queued.id
+    assert bodies(worker, f"job:sync:{who}") == []
+
+
+def test_a_send_that_fails_releases_the_mark_before_apply_async_raises(worker: Worker) -> None:
+    who = customer()
+    sync = worker.tasks.sync
+    with pytest.raises(Exception, match="no-such-serializer"):
+        sync.apply_async((who, 0), serializer="no-such-serializer")
+    key = mark_of("w.sync", f"sync:{who}")
+    assert worker.store.get(key) is None  # released before the exception reached us
+    [record] = worker.history(key)
+    assert record.outcome is Outcome.FAILED
+    assert (record.details or "").startswith("the message was not sent")
+    sent = sync.delay(who, 0)
+    sent.get(timeout=60)
+
+
+def test_a_countdown_lengthens_the_marks_ttl(worker: Worker) -> None:
+    who = customer()
+    queued = worker.tasks.sync.apply_async((who, 0), countdown=30)
+    mark = worker.store.get(mark_of("w.sync", f"sync:{who}"))
+    assert mark is not None and mark.expires_at is not None
+    assert mark.holder.task_id == queued.id
+    lives = mark.expires_at - mark.acquired_at
+    assert 3600 + 29 < lives < 3600 + 31  # dlock_dedupe_ttl past the countdown
+    worker.app.control.revoke(queued.id)
+
+
+def test_a_duplicate_raises_a_picklable_error_naming_the_key_and_the_task(
+    worker: Worker,
+) -> None:
+    who = customer()
+    strict = worker.tasks.sync_strict
+    queued = strict.apply_async((who,), countdown=2)
+    with pytest.raises(DuplicateTaskError) as raised:
+        strict.delay(who)
+    error = raised.value
+    key = mark_of("w.sync_strict", f"sync:{who}")
+    assert error.key == key and error.task_id == queued.id
+    assert key in str(error) and queued.id in str(error)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.key, copy.task_id, str(copy)) == (error.key, error.task_id, str(error))
+    queued.get(timeout=60)
+
+
+def test_a_callable_on_duplicate_decides_what_a_duplicate_returns(worker: Worker) -> None:
+    who = customer()
+    custom = worker.tasks.sync_custom
+    queued = custom.apply_async((who,), countdown=2)
+    answer = custom.delay(who)
+    key = mark_of("w.sync_custom", f"sync:{who}")
+    assert answer == {"task": "w.sync_custom", "mark": key, "queued": queued.id}
+    queued.get(timeout=60)
+
+
+def test_send_task_is_not_guarded_at_enqueue_but_the_body_lock_still_is(
+    worker: Worker,
+) -> None:
+    who = customer()
+    sent = [worker.app.send_task("w.sync", (who, 0.5)) for _ in range(2)]
+    assert sent[0].id != sent[1].id  # by name: no mark, two messages
+    for result in sent:
+        result.get(timeout=60)
+    events = bodies(worker, f"job:sync:{who}")
+    assert len(events) == 4
+    assert_never_overlapping(events)
+    assert worker.history(mark_of("w.sync", f"sync:{who}")) == []
+
+
+def test_a_message_of_a_workflow_is_always_sent_and_its_bodies_still_take_turns(
+    worker: Worker,
+) -> None:
+    who = customer()
+    sync, report = worker.tasks.sync, worker.tasks.report
+    grouped = group([sync.si(who, 0.3) for _ in range(3)]).apply_async()
+    assert len({result.id for result in grouped.results}) == 3  # each member is sent
+    assert len(grouped.get(timeout=60)) == 3  # and the group gets every result
+    events = bodies(worker, f"job:sync:{who}")
+    assert len(events) == 6
+    assert_never_overlapping(events)  # the body lock still guards them
+    chained = chain(report.si(who, 0), report.si(who, 0)).apply_async()
+    chained.get(timeout=60)  # the first link, carrying the rest, was sent
+    runs = [e for e in worker.events() if e["key"] == f"job:report:{who}" and e["event"] == "end"]
+    assert len(runs) == 2
+    assert worker.history(mark_of("w.sync", f"sync:{who}")) == []
+
+
+def test_a_child_killed_mid_task_has_its_mark_released_by_the_parent(worker: Worker) -> None:
+    who = customer()
+    report = worker.tasks.report
+    running = report.delay(who, 60)
+    body = started(worker, running.id)
+    os.kill(body["pid"], signal.SIGKILL)
+    [record] = marks(worker, mark_of("w.report", f"report:{who}"), 1)
+    assert record.outcome is Outcome.DISCONNECTED
+    assert record.lease.holder.task_id == running.id
+    assert report.delay(who, 0).id != running.id  # nothing left blocking the key
