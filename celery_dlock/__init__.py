@@ -31,7 +31,8 @@ from celery_dlock.errors import (
     UnknownBackendError,
 )
 from celery_dlock.keys import KeyTemplate, validate_key
-from celery_dlock.lock import Lock, lock
+from celery_dlock.lock import Lock
+from celery_dlock.locks import Locks, lock
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __version__ = "0.1.0"
@@ -70,6 +71,7 @@ __all__ = [
     "LockNotAcquiredError",
     "LockTimeoutError",
     "LockedTask",
+    "Locks",
     "MissingDependencyError",
     "Outcome",
     "Record",

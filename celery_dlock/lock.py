@@ -38,7 +38,7 @@ from celery_dlock.records import (
 from celery_dlock.releasing import Ending
 from celery_dlock.renewal import Renewer, report_lost
 
-__all__ = ["Lock", "lock", "validate_wait"]
+__all__ = ["DEFAULT", "Lock", "validate_limit", "validate_wait"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -409,25 +409,6 @@ class Lock:
     def __repr__(self) -> str:
         state = "held" if self._lease is not None else "free"
         return f"<Lock {self.key!r} {state} on {self.backend!r}>"
-
-
-def lock(
-    key: str,
-    backend: LockBackend | str,
-    ttl: float | None = None,
-    wait: float | None = 0,
-    **options: Any,
-) -> Lock:
-    """A :class:`Lock` to use in a ``with`` block, which gives the lease::
-
-        with celery_dlock.lock("job:report:daily", backend=url, ttl=60, wait=5) as lease:
-            write_report(fence=lease.fence)
-
-    The block's end is recorded as ``succeeded``, or ``failed`` with the exception's type,
-    message and traceback. If the lease was lost meanwhile, leaving the block raises
-    :class:`LockLostError` (unless it already raised).
-    """
-    return Lock(backend, key, ttl, wait, **options)
 
 
 def _token(lease: Lease | None) -> str | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+import celery_dlock
 from celery_dlock import (
     ConfigurationError,
     Holder,
@@ -238,3 +239,14 @@ def test_attempt_takes_a_free_key_and_answers_none_for_a_busy_one(backend: Memor
 def test_a_bad_limit_is_refused_by_name(backend: MemoryBackend, limit: Any) -> None:
     with pytest.raises(ConfigurationError, match="limit must be a whole number"):
         Lock(backend, "job:x", limit=limit)
+
+
+def test_lock_of_several_keys_gives_all_or_none_and_a_limit_gives_a_semaphore(
+    backend: MemoryBackend,
+) -> None:
+    with celery_dlock.lock(["job:acct:2", "job:acct:1"], backend) as leases:
+        assert [lease.key for lease in leases] == ["job:acct:1", "job:acct:2"]
+    pool = celery_dlock.lock("job:export", backend, limit=2)
+    assert isinstance(pool, Lock) and pool.slots == ("job:export#0", "job:export#1")
+    with pytest.raises(ConfigurationError, match="at least one key"):
+        celery_dlock.lock([], backend)

@@ -36,6 +36,10 @@ def test_the_demo_charges_every_order_exactly_once(tmp_path: Path) -> None:
     assert "worker_example.gateway.CardDeclined: card ending 0002 declined" in output
     assert "duplicates replayed the stored result" in output
     assert "SIGKILLed worker child" in output  # progress lines while it runs
+    runs = re.search(r"200 webhook submissions for customer-1 became (\d+) runs", output)
+    assert runs is not None and 1 <= int(runs.group(1)) <= 2
+    assert "the webhook burst ran at most twice: YES" in output
+    assert "20 opposite transfers between accounts A and B, never two at once: YES" in output
 
 
 @pytest.mark.slow

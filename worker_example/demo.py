@@ -25,6 +25,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTED = time.monotonic()
+#: Webhook calls for one customer, and transfers each way between two accounts.
+WEBHOOKS = 200
+TRANSFERS = 10
 
 
 def say(message: str) -> None:
@@ -179,7 +182,31 @@ class Demo:
 
         until(lambda: _janitor_cleared(store, orphan), "janitor clearing the crashed run's lock")
         say("the janitor cleared the crashed cron run's lock")
+        self.webhooks_and_transfers()
         return self.report(store, stuck["pid"], killed_at)
+
+    def webhooks_and_transfers(self) -> None:
+        tasks = self.tasks
+        burst = [tasks.sync_customer.delay("customer-1") for _ in range(WEBHOOKS)]
+        say(f"a CRM webhook fired {WEBHOOKS} times for customer-1: {len(burst)} calls to delay()")
+        moves = [tasks.transfer.delay("A", "B", "5.00") for _ in range(TRANSFERS)]
+        moves += [tasks.transfer.delay("B", "A", "3.00") for _ in range(TRANSFERS)]
+        say(f"{len(moves)} transfers submitted at once, half A->B and half B->A")
+        for result in [*burst, *moves]:
+            result.get(timeout=120)
+
+    def webhook_runs(self) -> int:
+        return len((self.data / "syncs.jsonl").read_text().splitlines())
+
+    def transfers_apart(self) -> tuple[int, bool]:
+        """How many transfers ran, and whether no two ever overlapped."""
+        lines = (self.data / "transfers.jsonl").read_text().splitlines()
+        events = [json.loads(line) for line in lines]
+        running, apart = 0, True
+        for event in events:  # written in order under a file lock
+            running += 1 if event["event"] == "start" else -1
+            apart = apart and running <= 1
+        return len(events) // 2, apart
 
     def report(self, store: Any, killed_pid: int, killed_at: float) -> int:
         from celery_dlock import Outcome
@@ -238,6 +265,14 @@ class Demo:
                 "success is kept at release; run with --postgres URL to see it in one)"
             )
 
+        runs = self.webhook_runs()
+        print(f"\n{WEBHOOKS} webhook submissions for customer-1 became {runs} runs (dedupe)")
+        moved_money, apart = self.transfers_apart()
+        print(
+            f"{moved_money} opposite transfers between accounts A and B, never two at once: "
+            f"{'YES' if apart else 'NO'}"
+        )
+
         exactly_once = all(
             charged.get(order_id, 0) == 1 and moved.get(order_id, 0) == 1
             for order_id, *_ in self.orders
@@ -253,7 +288,10 @@ class Demo:
             f"the killed child's lock recorded as disconnected: {'YES' if disconnected else 'NO'}"
         )
         print(f"the declined card recorded with its exception type: {'YES' if typed else 'NO'}")
-        return 0 if exactly_once and disconnected and typed else 1
+        coalesced = runs <= 2
+        print(f"the webhook burst ran at most twice: {'YES' if coalesced else 'NO'}")
+        settled = apart and moved_money == 2 * TRANSFERS
+        return 0 if exactly_once and disconnected and typed and coalesced and settled else 1
 
 
 def _crashed_cron_run(env: dict[str, str], store: Any) -> str:

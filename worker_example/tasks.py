@@ -9,12 +9,18 @@
   a duplicate that got past both ``once`` and the lock moves no money twice.
 - ``refund`` takes the same key, so it never runs while the order is being charged.
 - ``nightly_report`` is a singleton per day: a second run while one is going is skipped.
+- ``sync_customer`` guards the queue (``dedupe="until_started"``): a burst of webhooks for
+  one customer becomes at most one run queued behind one running.
+- ``transfer`` holds both accounts (a list of ``lock_key`` templates).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
+import json
 import os
+import time
 from typing import Any
 
 from celery_dlock import LockedTask
@@ -83,3 +89,41 @@ def nightly_report(self: Any, day: str | None = None) -> dict[str, Any]:
     day = day or dt.date.today().isoformat()
     total = ledger.report(self.lease.key, self.lease.fence, day)
     return {"day": day, "total": str(total)}
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    name="crm.sync_customer",
+    lock_key="customer:{customer}",
+    dedupe="until_started",
+)
+def sync_customer(self: Any, customer: str) -> dict[str, Any]:
+    """Pull a customer's record from the CRM: a webhook fires it on every change, and
+    ``dedupe`` keeps at most one run queued (behind at most one running)."""
+    _append("syncs.jsonl", {"customer": customer, "task": self.request.id, "pid": os.getpid()})
+    time.sleep(2.0)  # the CRM is slow
+    return {"customer": customer}
+
+
+@app.task(
+    base=LockedTask,
+    bind=True,
+    name="payments.transfer",
+    lock_key=["account:{source}", "account:{target}"],
+    lock_wait=60,
+)
+def transfer(self: Any, source: str, target: str, amount: str) -> list[str]:
+    """Move money between two accounts, holding both (all or none, in key order: opposite
+    transfers never deadlock)."""
+    keys = [lease.key for lease in self.leases]
+    _append("transfers.jsonl", {"event": "start", "keys": keys, "at": time.monotonic()})
+    time.sleep(0.05)
+    _append("transfers.jsonl", {"event": "end", "keys": keys, "at": time.monotonic()})
+    return keys
+
+
+def _append(name: str, entry: dict[str, Any]) -> None:
+    with open(os.path.join(DATA, name), "a") as log:
+        fcntl.flock(log, fcntl.LOCK_EX)
+        log.write(json.dumps(entry) + "\n")

@@ -32,8 +32,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from celery.exceptions import Retry
 from celery.utils import uuid
 
+from celery_dlock.celery.outcomes import outcome_of
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import BackendError, DuplicateTaskError
 from celery_dlock.lock import Lock
@@ -45,9 +47,11 @@ __all__ = [
     "ON_DUPLICATE",
     "end_mark",
     "end_mark_of_attempt",
+    "guards",
     "in_workflow",
     "mark_key",
     "mark_of",
+    "run_marked",
     "send",
 ]
 
@@ -135,6 +139,43 @@ def _duplicate(task: Any, key: str, queued: Lease) -> Any:
     if policy == "raise":
         raise DuplicateTaskError(key, task_id)
     return task.AsyncResult(task_id)
+
+
+def guards(task: Any, options: dict[str, Any], passing: tuple[str, ...] = ()) -> bool:
+    """Whether ``apply_async`` with ``options`` is guarded by a mark: not without ``dedupe``,
+    not for the same logical task again (a retry, a re-queue: the headers ``passing`` or a
+    mark already), not eagerly, and not in a workflow (see :func:`in_workflow`)."""
+    headers = options.get("headers") or {}
+    return not (
+        task.dedupe is None
+        or DEDUPE_HEADER in headers
+        or any(name in headers for name in passing)
+        or options.get("retries")
+        or task.app.conf.task_always_eager
+        or in_workflow(options)
+    )
+
+
+def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
+    """``run()`` the body of a request sent under ``mark``, and release the mark by its
+    token: as it starts (``until_started``), or when it ends (``until_finished``, with its
+    outcome; a Retry keeps it: the same logical task goes on)."""
+    where = getattr(task.request, "hostname", None) or "a direct call"
+    if task.dedupe == "until_started":
+        end_mark(task, mark, Outcome.DEQUEUED, f"started by {where}")
+        return run()
+    ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
+    try:
+        return run()
+    except Retry:
+        ended = None
+        raise
+    except BaseException as exc:
+        ended = (outcome_of(exc), f"ended on {where} by {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if ended is not None:
+            end_mark(task, mark, *ended)
 
 
 def mark_of(request: Any) -> Lease | None:

@@ -15,7 +15,7 @@ ON_LOCKED = ("retry", "skip", "fail")
 ON_LOST = ("log", "raise")
 
 
-def check_options(cls: Any, name: str) -> None:
+def check_options(cls: Any, name: str, *, several: bool = False) -> None:
     """Refuse bad task options when the task is defined, naming the task."""
     try:
         if cls.lock_ttl is not DEFAULT:
@@ -34,6 +34,11 @@ def check_options(cls: Any, name: str) -> None:
                 f"on_lock_lost must be 'log', 'raise' or a callable, not {cls.on_lock_lost!r}"
             )
         validate_limit(cls.lock_limit)
+        if several and (cls.once or cls.lock_limit > 1):
+            raise ConfigurationError(
+                "a list of lock_key templates takes every key, all or none: it goes with "
+                "neither once nor lock_limit"
+            )
         if cls.once and cls.lock_limit > 1:
             raise ConfigurationError(
                 "once needs lock_limit=1: several runs at once could each run the body before "

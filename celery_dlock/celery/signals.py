@@ -135,16 +135,31 @@ def release_dead_attempt(
     ``wait`` seconds for it to go). Returns the record, None, or ``_WAITING`` when the holder
     is still alive and ``wait`` is 0."""
     try:
-        key = task.lock_key_for(tuple(args or ()), dict(kwargs or {}))
+        keys = task.lock_keys_for(tuple(args or ()), dict(kwargs or {}))
         limit = getattr(task, "lock_limit", 1)
-        lock = Lock(settings(task.app).backend, key, limit=limit)
-        ours = [lease for lease in lock.holders() if lease.holder.task_id == task_id]
+        backend = settings(task.app).backend
+        locks = [Lock(backend, key, limit=limit) for key in keys]
+        ours = [
+            (lock, lease)
+            for lock in locks
+            for lease in lock.holders()
+            if lease.holder.task_id == task_id
+        ]
     except DLockError as exc:
         logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc)
         return None
     if not ours:
         return None  # released already, or another attempt's
-    lease = ours[0]
+    gone = _gone(ours[0][1], wait, cause)
+    if gone is not True:
+        return gone
+    records = [_end_dead(task, task_id, lock, lease, outcome, cause) for lock, lease in ours]
+    return next((record for record in records if record is not None), None)
+
+
+def _gone(lease: Any, wait: float, cause: BaseException) -> bool | object | None:
+    """True once ``lease``'s holder is gone; ``_WAITING`` while it lives and ``wait`` is 0;
+    None if it still lives after ``wait`` seconds (left to the janitor)."""
     deadline = time.monotonic() + wait
     while not lease.holder.is_gone():
         if wait == 0:
@@ -152,21 +167,27 @@ def release_dead_attempt(
         if time.monotonic() > deadline:
             logger.warning(
                 "holder of %s (%s) still alive %.0f s after %s; leaving it to the janitor",
-                key,
+                lease.key,
                 lease.holder.describe(),
                 wait,
                 type(cause).__name__,
             )
             return None
         time.sleep(0.05)
+    return True
+
+
+def _end_dead(  # noqa: PLR0917 - one dead attempt's lease and why
+    task: Any, task_id: str, lock: Lock, lease: Any, outcome: Outcome, cause: BaseException
+) -> Record | None:
     details = f"{type(cause).__name__}: {cause}; holder {lease.holder.describe()} is gone"
     try:
         record = lock.end(lease, outcome, type(cause).__name__, details)
     except DLockError as exc:
-        logger.error("cannot release %s of dead %s[%s]: %s", key, task.name, task_id, exc)
+        logger.error("cannot release %s of dead %s[%s]: %s", lease.key, task.name, task_id, exc)
         return None
     if record is not None:
-        logger.warning("released %s of dead %s[%s] as %s", key, task.name, task_id, outcome)
+        logger.warning("released %s of dead %s[%s] as %s", lease.key, task.name, task_id, outcome)
     return record
 
 

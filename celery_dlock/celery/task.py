@@ -41,7 +41,6 @@ from celery.exceptions import Reject, Retry
 
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import dedupe, signals
-from celery_dlock.celery.dedupe import DEDUPE_HEADER
 from celery_dlock.celery.options import check_options
 from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
 from celery_dlock.celery.settings import settings, warn_if_default_store
@@ -55,6 +54,7 @@ from celery_dlock.errors import (
 )
 from celery_dlock.keys import KeyTemplate
 from celery_dlock.lock import DEFAULT, Lock
+from celery_dlock.locks import Locks
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["LockedTask"]
@@ -97,7 +97,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     dedupe_ttl: ClassVar[float | None] = None
     throws = (LockNotAcquiredError,)
 
-    _dlock_template: ClassVar[KeyTemplate | None] = None
+    _dlock_templates: ClassVar[tuple[KeyTemplate, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -109,8 +109,11 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         if cls.lock_key is None:
             raise LockKeyError(f"task {name} has base=LockedTask but no lock_key")
         func = run.__func__ if isinstance(run, staticmethod) else functools.partial(run, None)
-        cls._dlock_template = KeyTemplate(cls.lock_key, func, namespace="", owner=name)
-        check_options(cls, name)
+        given = cls.lock_key if isinstance(cls.lock_key, (list, tuple)) else [cls.lock_key]
+        cls._dlock_templates = tuple(
+            KeyTemplate(template, func, namespace="", owner=name) for template in given
+        )
+        check_options(cls, name, several=len(given) > 1)
 
     # -- what the body sees --------------------------------------------------------------
 
@@ -119,6 +122,17 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         """The lease held for the running request (key, token, fence), or None."""
         lock: Lock | None = getattr(self.request, "dlock_lock", None)
         return None if lock is None else lock.lease
+
+    @property
+    def leases(self) -> list[Lease]:
+        """Every lease held for the running request, in key order (several with a list of
+        ``lock_key`` templates)."""
+        lock: Lock | Locks | None = getattr(self.request, "dlock_lock", None)
+        if lock is None:
+            return []
+        if isinstance(lock, Locks):
+            return lock.leases
+        return [] if lock.lease is None else [lock.lease]
 
     @property
     def idempotency_key(self) -> str:
@@ -170,14 +184,23 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         kwargs: dict[str, Any] | None = None,
         namespace: str | None = None,
     ) -> str:
-        """The full key this task locks for these arguments (``job:order:42``)."""
-        template = self._dlock_template
-        if template is None:
+        """The full key this task locks for these arguments (``job:order:42``); with
+        several templates, the sorted keys joined by ``+``."""
+        return "+".join(self.lock_keys_for(args, kwargs, namespace))
+
+    def lock_keys_for(
+        self,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        namespace: str | None = None,
+    ) -> list[str]:
+        """Every full key this task locks for these arguments, sorted."""
+        if not self._dlock_templates:
             raise LockKeyError(f"task {self.name} has no lock_key")
         if namespace is None:
             namespace = settings(self.app).namespace
-        body = template.render(tuple(args or ()), kwargs or {})
-        return f"{namespace}:{body}" if namespace else body
+        bodies = [t.render(tuple(args or ()), kwargs or {}) for t in self._dlock_templates]
+        return sorted({f"{namespace}:{body}" if namespace else body for body in bodies})
 
     # -- sending -------------------------------------------------------------------------
 
@@ -192,15 +215,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         task and key is queued (see :mod:`celery_dlock.celery.dedupe`). A retry, a re-queue
         and an eager run are the same logical task and pass through; so does a message that
         is part of a workflow (see ``dedupe.in_workflow``)."""
-        headers = options.get("headers") or {}
-        if (
-            self.dedupe is None
-            or DEDUPE_HEADER in headers
-            or BUSY_HEADER in headers
-            or options.get("retries")
-            or self.app.conf.task_always_eager
-            or dedupe.in_workflow(options)
-        ):
+        if not dedupe.guards(self, options, passing=(BUSY_HEADER,)):
             return super().apply_async(args, kwargs, task_id, **options)
         message = {**options, "task_id": task_id}
         return dedupe.send(
@@ -220,37 +235,17 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             mark = None if self.dedupe is None else dedupe.mark_of(self.request)
             if mark is None:
                 return self._run_locked(args, kwargs)
-            return self._run_marked(mark, args, kwargs)
+            return dedupe.run_marked(self, mark, functools.partial(self._run_locked, args, kwargs))
         finally:
             if direct:
                 self.pop_request()
                 _task_stack.pop()
 
-    def _run_marked(self, mark: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run a request sent under a dedupe mark, and release the mark by its token: as it
-        starts (``until_started``), or when it ends (``until_finished``; a retry keeps it)."""
-        where = getattr(self.request, "hostname", None) or "a direct call"
-        if self.dedupe == "until_started":
-            dedupe.end_mark(self, mark, Outcome.DEQUEUED, f"started by {where}")
-            return self._run_locked(args, kwargs)
-        ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
-        try:
-            return self._run_locked(args, kwargs)
-        except Retry:
-            ended = None  # the same logical task goes on: it keeps the mark
-            raise
-        except BaseException as exc:
-            ended = (outcome_of(exc), f"ended on {where} by {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            if ended is not None:
-                dedupe.end_mark(self, mark, *ended)
-
     def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         request = self.request
         current = settings(self.app)
         warn_if_default_store(current)
-        key = self.lock_key_for(args, kwargs, current.namespace)
+        keys = self.lock_keys_for(args, kwargs, current.namespace)
         ttl = current.ttl if self.lock_ttl is DEFAULT else validate_ttl(self.lock_ttl)
         holder = Holder.current(
             worker=getattr(request, "hostname", None),
@@ -258,17 +253,24 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             task_name=self.name,
         )
         task_thread = threading.get_ident()
-        lock = Lock(
-            current.backend,
-            key,
-            ttl,
-            self.lock_wait,
-            holder=holder,
-            on_lost=lambda lease: self._lease_lost(lease, task_thread),
-            limit=self.lock_limit,
-        )
+        on_lost = functools.partial(self._lease_lost, task_thread=task_thread)
+        lock: Any
+        if len(keys) > 1:  # all or none; a set has no hand-over to a retry
+            lock = Locks(current.backend, keys, ttl, self.lock_wait, holder=holder, on_lost=on_lost)
+            acquire = lock.acquire
+        else:
+            lock = Lock(
+                current.backend,
+                keys[0],
+                ttl,
+                self.lock_wait,
+                holder=holder,
+                on_lost=on_lost,
+                limit=self.lock_limit,
+            )
+            acquire = functools.partial(lock.acquire, replace=_header(request, RETRY_HEADER))
         try:
-            lock.acquire(replace=_header(request, RETRY_HEADER))
+            acquire()
         except LockNotAcquiredError as exc:
             return self._busy(lock, exc)
         except BackendError as exc:
@@ -276,7 +278,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 logger.warning(
                     "lock store failed for %s, running %s[%s] UNLOCKED "
                     "(dlock_on_backend_error='run'): %s",
-                    key,
+                    lock.key,
                     self.name,
                     holder.task_id,
                     exc,
@@ -375,7 +377,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         token of this attempt's lease in a message header and takes the lease over."""
         lock: Lock | None = getattr(self.request, "dlock_lock", None)
         lease = None if lock is None else lock.lease
-        if lease is not None and self.lock_across_retries:
+        if lease is not None and self.lock_across_retries and isinstance(lock, Lock):
             headers = dict(kwargs.get("headers") or self.request.headers or {})
             headers[RETRY_HEADER] = lease.token
             kwargs["headers"] = headers

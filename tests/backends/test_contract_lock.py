@@ -5,12 +5,13 @@ even where the first client's cache of what it wrote is stale."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
 import pytest
 
-from celery_dlock import Lease, Lock, LockTimeoutError, Outcome
+from celery_dlock import Lease, Lock, LockNotAcquiredError, Locks, LockTimeoutError, Outcome
 from tests.backends.storecase import StoreCase
 from tests.backends.test_contract import holder
 
@@ -136,3 +137,53 @@ def test_a_waiter_on_a_full_limit_takes_the_first_slot_freed(store: StoreCase) -
     assert lease.key == slot
     waiter.release()
     holders[1].release()
+
+
+def test_several_keys_are_taken_all_or_none_and_a_partial_take_is_recorded(
+    store: StoreCase,
+) -> None:
+    backend = store.backend
+    held = backend.try_acquire("job:acct:2", holder(), None)
+    assert held is not None
+    both = Locks(store.second(), ["job:acct:2", "job:acct:1"])
+    assert both.keys == ("job:acct:1", "job:acct:2")  # always taken in key order
+    with pytest.raises(LockNotAcquiredError, match="job:acct:2"):
+        both.acquire()
+    assert backend.get("job:acct:1") is None  # what was taken went back
+    [backed_off] = backend.history(key="job:acct:1")
+    assert backed_off.outcome is Outcome.SKIPPED and "job:acct:2" in (backed_off.details or "")
+    backend.release(held, Outcome.SUCCEEDED)
+    with both as leases:
+        assert [lease.key for lease in leases] == ["job:acct:1", "job:acct:2"]
+        assert [backend.get(key) for key in both.keys] == leases
+    assert [backend.get(key) for key in both.keys] == [None, None]
+
+
+def test_opposite_sets_never_deadlock_and_never_overlap(store: StoreCase) -> None:
+    """Transfers 1->2 and 2->1 from two clients at once: each completes, one at a time."""
+    intervals: list[tuple[float, float]] = []
+    errors: list[BaseException] = []
+
+    def transfers(keys: list[str]) -> None:
+        client = store.second()
+        try:
+            for _ in range(10):
+                with Locks(client, keys, wait=60.0):
+                    start = time.monotonic()
+                    time.sleep(0.002)
+                    intervals.append((start, time.monotonic()))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=transfers, args=(keys,), daemon=True)
+        for keys in (["job:acct:a", "job:acct:b"], ["job:acct:b", "job:acct:a"])
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == [] and not any(thread.is_alive() for thread in threads)
+    assert len(intervals) == 20
+    ordered = sorted(intervals)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))

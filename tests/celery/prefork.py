@@ -35,8 +35,11 @@ class Worker:
         # A queue of its own: two workers on one queue would restore each other's messages.
         self.queue = f"q-{uuid.uuid4().hex[:8]}"
         self.hostname = f"w-{self.queue}@{socket.gethostname()}"
+        # Not another worker's settings (a visibility timeout of an acks_late test, say):
+        # they stay in os.environ after that worker, which set them for its import.
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("DLOCK_TEST_")}
         self.env = {
-            **os.environ,
+            **inherited,
             "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
             "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
             "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",

@@ -53,6 +53,8 @@ def test_bound_task_signature_skips_self(celery_session_app: Any) -> None:
         ({"lock_key": "o:{order_id}", "dedupe": "until_done"}, "dedupe must be None"),
         ({"lock_key": "o:{order_id}", "dedupe": "until_started", "on_duplicate": "drop"}, "on_dup"),
         ({"lock_key": "o:{order_id}", "dedupe": "until_started", "dedupe_ttl": -1}, "ttl"),
+        ({"lock_key": ["a:{order_id}", "b:{order_id}"], "once": True}, "all or none"),
+        ({"lock_key": ["a:{order_id}", "b:{order_id}"], "lock_limit": 2}, "all or none"),
         ({}, "no lock_key"),
     ],
 )

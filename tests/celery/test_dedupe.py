@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -17,7 +19,7 @@ from celery import chain, group
 
 from celery_dlock import DuplicateTaskError, Outcome
 from celery_dlock.records import Record
-from tests.celery.prefork import Worker, assert_never_overlapping, bodies
+from tests.celery.prefork import HERE, Worker, assert_never_overlapping, bodies
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -112,8 +114,9 @@ def test_a_retry_is_the_same_logical_task_and_keeps_the_mark(worker: Worker) -> 
     key = mark_of("w.report", f"report:{who}")
     [record] = marks(worker, key, 1)  # one mark, ended once, by the retry's success
     assert record.outcome is Outcome.SUCCEEDED
-    attempts = [e["retries"] for e in worker.events() if e["id"] == first.id and "retries" in e]
-    assert attempts == [0, 1]
+    mine = [e for e in worker.events() if e["id"] == first.id]
+    attempts = [e["retries"] for e in mine if e["event"] == "start"]
+    assert attempts == [0, 1], (mine, worker.history(f"job:report:{who}"))
 
 
 def test_a_message_revoked_while_queued_releases_its_mark(worker: Worker) -> None:
@@ -189,6 +192,17 @@ def test_a_callable_on_duplicate_decides_what_a_duplicate_returns(worker: Worker
     queued.get(timeout=60)
 
 
+def test_positional_and_keyword_calls_are_duplicates_of_each_other(worker: Worker) -> None:
+    """celery-singleton keys positional and keyword calls apart unless told (unique_on);
+    here the key is rendered from the bound arguments."""
+    who = customer()
+    sync = worker.tasks.sync
+    queued = sync.apply_async((who, 0), countdown=2)
+    assert sync.apply_async(kwargs={"customer": who, "seconds": 0}).id == queued.id
+    assert sync.apply_async((who,), {"seconds": 0}).id == queued.id
+    queued.get(timeout=60)
+
+
 def test_send_task_is_not_guarded_at_enqueue_but_the_body_lock_still_is(
     worker: Worker,
 ) -> None:
@@ -231,3 +245,30 @@ def test_a_child_killed_mid_task_has_its_mark_released_by_the_parent(worker: Wor
     assert record.outcome is Outcome.DISCONNECTED
     assert record.lease.holder.task_id == running.id
     assert report.delay(who, 0).id != running.id  # nothing left blocking the key
+
+
+def test_a_producer_killed_between_mark_and_send_leaves_nothing_that_blocks_the_key(
+    worker: Worker,
+) -> None:
+    """celery-once and celery-singleton keep such a key blocked until their TTL (or for
+    ever); on Postgres and the file store the mark dies with its producer."""
+    who = customer()
+    dies = "lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)"
+    code = (
+        "import os, signal\n"
+        "import workerapp\n"
+        "from celery_dlock.celery import dedupe\n"
+        f"dedupe.send(workerapp.sync, ({who!r}, 0), {{}}, {{}}, {dies})\n"
+    )
+    producer = subprocess.run(
+        [sys.executable, "-c", code], env=worker.env, cwd=HERE, timeout=60, check=False
+    )
+    assert producer.returncode == -signal.SIGKILL
+    key = mark_of("w.sync", f"sync:{who}")
+    orphan = worker.store.get(key)
+    assert orphan is not None  # the dead producer's mark is there, with no message behind it
+    sent = worker.tasks.sync.delay(who, 0)
+    assert sent.id != orphan.holder.task_id  # its holder is gone: taken over, and sent
+    sent.get(timeout=60)
+    first = worker.history(key)[0]
+    assert first.outcome is Outcome.DISCONNECTED and first.lease.token == orphan.token

@@ -272,3 +272,18 @@ def sync_custom(self: Any, customer: str) -> dict[str, Any]:
 )
 def pooled(self: Any, tenant: str, n: int) -> dict[str, Any]:
     return _body(self, 0.4, n=n)
+
+
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.transfer",
+    lock_key=["account:{source}", "account:{target}"],
+    lock_wait=120,
+)
+def transfer(self: Any, source: str, target: str, n: int) -> list[str]:
+    ledger("start", self, keys=[lease.key for lease in self.leases], n=n)
+    time.sleep(0.005)
+    ledger("end", self, keys=[lease.key for lease in self.leases], n=n)
+    return [lease.key for lease in self.leases]
