@@ -38,7 +38,7 @@ from celery_dlock.records import (
 from celery_dlock.releasing import Ending
 from celery_dlock.renewal import Renewer, report_lost
 
-__all__ = ["DEFAULT", "Lock", "validate_limit", "validate_wait"]
+__all__ = ["DEFAULT", "Lock", "end_block", "validate_limit", "validate_wait"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -398,13 +398,7 @@ class Lock:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc is None:
-            lease = self._require_lease()
-            if self.release(Outcome.SUCCEEDED) is None:
-                raise LockLostError(lease.key, lease.fence, "release")
-            return
-        problem, details = describe_exception(exc)
-        self.release(Outcome.FAILED, problem, details)
+        end_block(self.release, self._require_lease(), exc)
 
     def __repr__(self) -> str:
         state = "held" if self._lease is not None else "free"
@@ -413,3 +407,14 @@ class Lock:
 
 def _token(lease: Lease | None) -> str | None:
     return None if lease is None else lease.token
+
+
+def end_block(release: Callable[..., Any], first: Lease, exc: BaseException | None) -> None:
+    """The end of a ``with`` block over a lock: ``succeeded``, or ``failed`` with the
+    exception's type, message and traceback; a lease lost meanwhile raises LockLostError
+    (naming ``first``) unless the block raised already."""
+    if exc is not None:
+        problem, details = describe_exception(exc)
+        release(Outcome.FAILED, problem, details)
+    elif release(Outcome.SUCCEEDED) is None:
+        raise LockLostError(first.key, first.fence, "release")

@@ -19,12 +19,11 @@ from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import (
     BackendError,
     ConfigurationError,
-    LockLostError,
     LockNotAcquiredError,
     LockTimeoutError,
 )
 from celery_dlock.keys import validate_key
-from celery_dlock.lock import DEFAULT, POLL, Lock, _Default, validate_wait
+from celery_dlock.lock import DEFAULT, POLL, Lock, _Default, end_block, validate_wait
 from celery_dlock.process import shared_backend
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
@@ -196,13 +195,10 @@ class Locks:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if exc is None:
-            first = self.lease
-            if self.release(Outcome.SUCCEEDED) is None and first is not None:
-                raise LockLostError(first.key, first.fence, "release")
-            return
-        problem, details = describe_exception(exc)
-        self.release(Outcome.FAILED, problem, details)
+        first = self.lease
+        if first is None:
+            raise ConfigurationError(f"locks {self.key!r} are not held by this object")
+        end_block(self.release, first, exc)
 
     def __repr__(self) -> str:
         state = "held" if self.lease is not None else "free"
