@@ -8,7 +8,8 @@ Usage::
     DLOCK_BACKEND=redis://cache:6379/1 celery-dlock release job:order:42 --reason "stuck"
 
 Commands (the same in both): ``leases [PREFIX]``, ``history``, ``release KEY``, ``reap``,
-``migrate``, ``doctor``; each takes ``--json``. ``dlock`` is the ``celery.commands`` entry
+``migrate``, ``doctor`` (each takes ``--json``), and ``run KEY -- COMMAND`` (a command under
+the lock, for cron: see :mod:`celery_dlock.cli.run`). ``dlock`` is the ``celery.commands`` entry
 point and reads the app's settings through ``ctx.obj.app``; ``main`` needs no app (nor
 Celery installed) and takes the store from ``--backend`` or ``DLOCK_BACKEND``.
 
@@ -27,6 +28,7 @@ import click
 from celery_dlock.cli.commands import COMMANDS
 from celery_dlock.cli.doctor import doctor
 from celery_dlock.cli.env import Env, Target, UsageFailure
+from celery_dlock.cli.run import run
 
 __all__ = ["dlock", "main"]
 
@@ -122,6 +124,6 @@ def main(ctx: click.Context, /, backend_url: str | None, namespace: str) -> None
     ctx.obj = Env(resolve)
 
 
-for _command in (*COMMANDS, doctor):
+for _command in (*COMMANDS, doctor, run):
     dlock.add_command(_command)
     main.add_command(_command)

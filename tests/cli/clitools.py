@@ -31,7 +31,7 @@ class CliStore:
     backend: LockBackend
 
 
-def _environment(extra: dict[str, str] | None) -> dict[str, str]:
+def environment(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("DLOCK_BACKEND", "DLOCK_NAMESPACE", "DLOCK_CLI_BACKEND", "DLOCK_CLI_NAMESPACE"):
         env.pop(name, None)
@@ -65,7 +65,7 @@ def _run(
         input=input,
         capture_output=True,
         text=True,
-        env=_environment(env),
+        env=environment(env),
         timeout=COMMAND_TIMEOUT,
         check=False,
     )
@@ -78,7 +78,7 @@ def popen_cli(*args: str) -> subprocess.Popen[bytes]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=_environment(None),
+        env=environment(None),
     )
 
 

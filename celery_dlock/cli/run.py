@@ -1,0 +1,166 @@
+"""``celery-dlock run KEY -- COMMAND ARGS...``: a command under the lock, as ``flock(1)`` does
+for a crontab line, with the locks, fences and history of every other way in.
+
+The runner takes the lease (waiting up to ``--wait``), renews it while the command runs
+(with ``--ttl``), passes SIGTERM, SIGINT and SIGHUP on to the command, and releases on every
+way out, recorded with the outcome: ``succeeded`` for exit 0, ``failed`` with ``exit N`` or
+``signal NAME`` and the tail of the command's stderr, ``revoked`` when the runner was told to
+stop. A runner that is SIGKILLed releases nothing: the store's liveness frees the key (its
+session or process ends, or its ttl runs out) and the janitor records it.
+
+Exit codes: the command's own (128 + N when a signal N ended it); 75 (EX_TEMPFAIL) when the
+key stayed busy; 69 (EX_UNAVAILABLE) when the store failed before the command started; 127
+when the command could not be started (recorded ``failed``); 2 for bad usage. With
+``--once``, a key whose command succeeded before exits 0 at once without running it again.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, BinaryIO
+
+import click
+
+from celery_dlock.cli.env import Env, UsageFailure, guarded
+from celery_dlock.errors import DLockError, LockNotAcquiredError
+from celery_dlock.keys import validate_key
+from celery_dlock.lock import Lock
+from celery_dlock.records import Holder, Lease, Outcome
+
+__all__ = ["EXIT_BUSY", "EXIT_STORE", "RUN_TASK", "run"]
+
+#: Exit code when the key stayed busy (sysexits' EX_TEMPFAIL: try again later).
+EXIT_BUSY = 75
+#: Exit code when the store failed before the command started (EX_UNAVAILABLE).
+EXIT_STORE = 69
+#: The task name of the runner's leases, under which ``--once`` keeps a success.
+RUN_TASK = "celery-dlock run"
+#: Bytes of the command's stderr kept for the record of a failure.
+STDERR_TAIL = 4096
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.argument("key")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--ttl", type=float, help="Lease seconds, renewed while the command runs.")
+@click.option(
+    "--wait", type=float, default=0.0, show_default=True, help="Seconds to wait for the key."
+)
+@click.option("--once", is_flag=True, help="Run at most one success of this key, ever.")
+@guarded
+def run(
+    env: Env, key: str, command: tuple[str, ...], *, ttl: float | None, wait: float, once: bool
+) -> None:
+    """Run COMMAND holding the lock KEY (given in full, e.g. job:backup:nightly)."""
+    try:
+        validate_key(key)
+    except DLockError as exc:
+        raise UsageFailure(str(exc)) from None
+    words = command[1:] if command[:1] == ("--",) else command
+    if not words:
+        raise UsageFailure("no command: celery-dlock run KEY -- COMMAND ARGS...")
+    if ttl is None and env.backend.capabilities.liveness == "lease":
+        raise UsageFailure(
+            f"the {env.backend.name} store frees a dead holder's key only when its lease "
+            "expires: give --ttl SECONDS (renewed while the command runs)"
+        )
+    holder = Holder.current(task_name=RUN_TASK)
+    lock = Lock(env.backend, key, ttl, wait, holder=holder, on_lost=_lost)
+    try:
+        if once and lock.last_success(RUN_TASK) is not None:
+            env.echo(f"{key}: the command succeeded before (--once): not run again")
+            return
+        lease = lock.acquire()
+    except LockNotAcquiredError as exc:
+        env.echo(f"{key} is busy: {exc}", err=True)
+        raise click.exceptions.Exit(EXIT_BUSY) from None
+    except DLockError as exc:
+        env.echo(f"the lock store failed: {exc}", err=True)
+        raise click.exceptions.Exit(EXIT_STORE) from None
+    raise click.exceptions.Exit(_run_holding(lock, lease, list(words), once))
+
+
+def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
+    """Run the command under ``lease``; release with its outcome; its exit code."""
+    stopping: list[int] = []
+    try:
+        process = subprocess.Popen(words, stderr=subprocess.PIPE)
+    except OSError as exc:
+        lock.release(Outcome.FAILED, type(exc).__name__, f"could not start {words[0]}: {exc}")
+        click.echo(f"cannot run {shlex.join(words)}: {exc}", err=True)
+        return 127
+    tail = _Tail(process.stderr)  # type: ignore[arg-type]
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        process.send_signal(signum)
+
+    previous = {number: signal.signal(number, forward) for number in _FORWARDED}
+    try:
+        status = process.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        tail.join()
+    outcome, problem, details = _ending(status, stopping, tail.text())
+    result = {"exit": status} if once and outcome is Outcome.SUCCEEDED else None
+    try:
+        lock.release(outcome, problem, details, result)
+    except DLockError as exc:
+        click.echo(f"could not record the end of {lease.key}: {exc}", err=True)
+    return status if status >= 0 else 128 - status
+
+
+def _ending(status: int, stopping: list[int], stderr: str) -> tuple[Outcome, str | None, str]:
+    if status == 0:
+        return Outcome.SUCCEEDED, None, "exit 0"
+    if status < 0:
+        name = signal.Signals(-status).name
+        told = f" (the runner got {signal.Signals(stopping[0]).name})" if stopping else ""
+        outcome = Outcome.REVOKED if stopping else Outcome.FAILED
+        return outcome, f"signal {name}", f"ended by {name}{told}\n{stderr}".rstrip()
+    return Outcome.FAILED, f"exit {status}", f"exit {status}\n{stderr}".rstrip()
+
+
+def _lost(lease: Lease) -> None:
+    click.echo(
+        f"warning: the lease on {lease.key} (fence {lease.fence}) was lost while the command "
+        "runs: another holder may run now",
+        err=True,
+    )
+
+
+class _Tail:
+    """Copies the command's stderr to ours as it comes, keeping its last bytes."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+        self._kept: collections.deque[bytes] = collections.deque()
+        self._size = 0
+        self._thread = threading.Thread(target=self._copy, name="dlock-run-stderr", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        out = sys.stderr.buffer
+        for chunk in iter(lambda: os.read(self._stream.fileno(), 65536), b""):
+            out.write(chunk)
+            out.flush()
+            self._kept.append(chunk)
+            self._size += len(chunk)
+            while self._size - len(self._kept[0]) >= STDERR_TAIL:
+                self._size -= len(self._kept.popleft())
+        self._stream.close()
+
+    def join(self) -> None:
+        self._thread.join(timeout=5)
+
+    def text(self) -> str:
+        data = b"".join(self._kept)[-STDERR_TAIL:]
+        return data.decode("utf-8", "replace")

@@ -1,0 +1,171 @@
+"""``celery-dlock run KEY -- COMMAND``: a command under the lock, with real processes on the
+file, Postgres and Redis stores: the lease while it runs, two runs on one key, the outcome of
+each way a command ends (exit codes, signals, the runner told to stop), a runner SIGKILLed,
+``--once``, and the documented exit codes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from celery_dlock import Outcome
+from celery_dlock.cli.run import EXIT_BUSY, EXIT_STORE, RUN_TASK
+from tests.cli.clitools import BIN, CliStore, environment, run_cli
+from tests.support import eventually
+
+KEY = "job:backup:nightly"
+#: Lease stores need a ttl (a killed runner's key frees at expiry): every test gives one.
+TTL = ["--ttl", "2"]
+
+
+def run(store: CliStore, *args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli("--backend", store.url, "run", *args)
+
+
+def start(store: CliStore, *args: str) -> subprocess.Popen[bytes]:
+    """A runner in the background (its output is not looked at: the store says it all)."""
+    return subprocess.Popen(
+        [str(BIN / "celery-dlock"), "--backend", store.url, "run", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=environment(None),
+    )
+
+
+def python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_the_command_runs_holding_the_key_and_its_success_is_recorded(
+    store: CliStore, tmp_path: Path
+) -> None:
+    started = tmp_path / "started"
+    code = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(1.0)"
+    runner = start(store, *TTL, KEY, "--", *python(code))
+    eventually(started.exists, "the command started")
+    lease = store.backend.get(KEY)
+    assert lease is not None and lease.holder.task_name == RUN_TASK
+    assert lease.holder.pid == runner.pid  # the runner holds it, not the command
+    assert runner.wait(timeout=60) == 0
+    [record] = store.backend.history(key=KEY)
+    assert record.outcome is Outcome.SUCCEEDED and record.lease.token == lease.token
+    assert store.backend.get(KEY) is None
+
+
+def test_two_runs_on_one_key_never_overlap_and_a_busy_key_exits_75(
+    store: CliStore, tmp_path: Path
+) -> None:
+    log = tmp_path / "intervals"
+    code = (
+        f"import time; a = time.time(); time.sleep(0.5); "
+        f"open({str(log)!r}, 'a').write(f'{{a}} {{time.time()}}\\n')"
+    )
+    first = start(store, *TTL, KEY, "--", *python(code))
+    eventually(lambda: store.backend.get(KEY), "the first run holds the key")
+    busy = run(store, *TTL, KEY, "--", "true")
+    assert busy.returncode == EXIT_BUSY and "is busy" in busy.stderr
+    second = run(store, *TTL, "--wait", "30", KEY, "--", *python(code))
+    assert second.returncode == 0 and first.wait(timeout=60) == 0
+    earlier, later = sorted(
+        tuple(map(float, line.split())) for line in log.read_text().splitlines()
+    )
+    assert earlier[1] <= later[0]  # one after the other
+
+
+def test_a_failing_command_is_recorded_with_its_exit_code_and_stderr_tail(
+    store: CliStore,
+) -> None:
+    result = run(store, *TTL, KEY, "--", "sh", "-c", "echo 'disk full' >&2; exit 3")
+    assert result.returncode == 3
+    assert "disk full" in result.stderr  # passed through as it came
+    [record] = store.backend.history(key=KEY)
+    assert record.outcome is Outcome.FAILED and record.problem == "exit 3"
+    assert record.details is not None and "disk full" in record.details
+
+
+def test_a_command_killed_by_a_signal_exits_128_plus_it_and_is_recorded_failed(
+    store: CliStore,
+) -> None:
+    result = run(store, *TTL, KEY, "--", "sh", "-c", "kill -KILL $$")
+    assert result.returncode == 128 + signal.SIGKILL
+    [record] = store.backend.history(key=KEY)
+    assert record.outcome is Outcome.FAILED and record.problem == "signal SIGKILL"
+
+
+def test_sigterm_to_the_runner_goes_to_the_command_and_is_recorded_revoked(
+    store: CliStore, tmp_path: Path
+) -> None:
+    started = tmp_path / "started"
+    code = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
+    runner = start(store, *TTL, KEY, "--", *python(code))
+    eventually(started.exists, "the command started")
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+    [record] = store.backend.history(key=KEY)
+    assert record.outcome is Outcome.REVOKED and record.problem == "signal SIGTERM"
+    assert "the runner got SIGTERM" in (record.details or "")
+
+
+def test_a_sigkilled_runner_leaves_the_key_to_the_stores_liveness(
+    store: CliStore, tmp_path: Path
+) -> None:
+    started = tmp_path / "started"
+    pid_file = tmp_path / "command.pid"
+    code = (
+        f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); "
+        f"pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
+    )
+    runner = start(store, *TTL, KEY, "--", *python(code))
+    eventually(started.exists, "the command started")
+    held = store.backend.get(KEY)
+    assert held is not None
+    runner.kill()
+    runner.wait(timeout=30)
+    try:  # the command outlives its runner (as under flock): its lease does not
+        after = run(store, *TTL, "--wait", "30", KEY, "--", "true")
+        assert after.returncode == 0
+        records = store.backend.history(key=KEY)
+        ended = next(r for r in records if r.lease.token == held.token)
+        assert ended.outcome in (Outcome.DISCONNECTED, Outcome.EXPIRED)
+    finally:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def test_once_runs_a_succeeded_command_only_once(store: CliStore, tmp_path: Path) -> None:
+    count = tmp_path / "count"
+    code = f"open({str(count)!r}, 'a').write('ran\\n')"
+    assert run(store, *TTL, "--once", KEY, "--", *python(code)).returncode == 0
+    again = run(store, *TTL, "--once", KEY, "--", *python(code))
+    assert again.returncode == 0 and "succeeded before" in again.stdout
+    assert count.read_text() == "ran\n"
+
+
+def test_a_lease_store_without_ttl_and_an_unreachable_store_are_refused(
+    store: CliStore,
+) -> None:
+    plain = run(store, KEY, "--", "true")
+    if store.name == "redis":
+        assert plain.returncode == 2 and "--ttl" in plain.stderr
+    else:
+        assert plain.returncode == 0
+    unreachable = run_cli(
+        "--backend", "postgresql://nobody:s3cret@127.0.0.1:1/none?connect_timeout=2",
+        "run", KEY, "--", "true",
+    )  # fmt: skip
+    assert unreachable.returncode == EXIT_STORE
+    assert "s3cret" not in unreachable.stderr and "lock store failed" in unreachable.stderr
+
+
+def test_no_command_is_a_usage_error(store: CliStore) -> None:
+    result = run(store, *TTL, KEY, "--")
+    assert result.returncode == 2
+
+
+def test_a_command_that_cannot_start_exits_127_and_is_recorded_failed(store: CliStore) -> None:
+    result = run(store, *TTL, KEY, "--", "/no/such/command")
+    assert result.returncode == 127 and "/no/such/command" in result.stderr
+    [record] = store.backend.history(key=KEY)
+    assert record.outcome is Outcome.FAILED and record.problem == "FileNotFoundError"
