@@ -33,6 +33,7 @@ from celery_dlock.errors import (
 from celery_dlock.keys import KeyTemplate, validate_key
 from celery_dlock.lock import Lock
 from celery_dlock.locks import Locks, lock
+from celery_dlock.process import release_all
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __version__ = "0.1.0"
@@ -81,5 +82,6 @@ __all__ = [
     "install",
     "lock",
     "mask_url",
+    "release_all",
     "validate_key",
 ]

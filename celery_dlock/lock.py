@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -26,7 +27,7 @@ from celery_dlock.errors import (
     LockTimeoutError,
 )
 from celery_dlock.keys import validate_key
-from celery_dlock.process import held, shared_backend
+from celery_dlock.process import abandon, held, shared_backend
 from celery_dlock.records import (
     Holder,
     Lease,
@@ -231,6 +232,17 @@ class Lock:
             self._renewer = Renewer(self.backend, lease, self.ttl, self.on_lost).start()
         else:
             self._unwatch = self.backend.watch(lease, self._session_lost)
+
+    def __del__(self) -> None:
+        # A Lock dropped while it holds its lease: release it, recorded as abandoned.
+        lease = getattr(self, "_lease", None)
+        if lease is None or sys.is_finalizing():
+            return
+        if self._renewer is not None:
+            self._renewer.stop()
+        if self._unwatch is not None:
+            self._unwatch()
+        abandon(lease.token, "was garbage-collected while held")
 
     def _session_lost(self, lease: Lease) -> None:
         """From the backend's watcher: the session that kept ``lease`` alive ended."""

@@ -8,8 +8,10 @@ parent.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import warnings
 from collections import OrderedDict
 
 from celery_dlock.backends import backend_from_url
@@ -18,7 +20,7 @@ from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.errors import DLockError
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["held", "release_all", "shared_backend"]
+__all__ = ["abandon", "held", "release_all", "shared_backend"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -59,6 +61,15 @@ class _Held:
         with self._mutex:
             self._leases.pop(token, None)
 
+    def tokens(self) -> list[str]:
+        with self._mutex:
+            return list(self._leases)
+
+    def take(self, token: str) -> tuple[LockBackend, Lease, bool] | None:
+        """Remove and return the entry of ``token``, if it is still held."""
+        with self._mutex:
+            return self._leases.pop(token, None)
+
     def drain(self) -> list[tuple[LockBackend, Lease, bool]]:
         with self._mutex:
             items = list(self._leases.values())
@@ -75,15 +86,16 @@ def held() -> _Held:
 
 
 def release_all(
-    outcome: Outcome,
-    problem: str | None = None,
-    details: str | None = None,
+    outcome: Outcome = Outcome.ABANDONED,
+    problem: str | None = "release_all",
+    details: str | None = "released by celery_dlock.release_all()",
     *,
     kept: Outcome | None = None,
 ) -> list[Record]:
     """Release every lease this process holds, each by its own token, recorded as
     ``outcome`` (a lease kept alive for a later acquisition as ``kept``, by default the
-    same). Failures are logged, not raised: this runs as the process stops.
+    same). Failures are logged, not raised: this runs as the process stops. The Lock
+    objects that held them find their leases gone (their release records ``lost``).
 
     Returns:
         the records written.
@@ -100,3 +112,30 @@ def release_all(
         if record is not None:
             records.append(record)
     return records
+
+
+def abandon(token: str, why: str) -> Record | None:
+    """Release the lease of ``token`` if this process still holds it, recorded
+    ``abandoned`` with ``why``, with a ResourceWarning and a logged warning naming the key:
+    its holder let go of it without a release."""
+    entry = held().take(token)
+    if entry is None:
+        return None
+    backend, lease, _ = entry
+    message = f"lock on {lease.key!r} (fence {lease.fence}) {why}: released as abandoned"
+    warnings.warn(message, ResourceWarning, stacklevel=2)
+    logger.warning("%s", message)
+    try:
+        return backend.release(lease, Outcome.ABANDONED, "abandoned", why)
+    except DLockError as exc:
+        logger.error("cannot release %s: %s", lease.key, exc)
+        return None
+
+
+def _at_exit() -> None:
+    """A process that ends normally releases what it still holds, as abandoned."""
+    for token in held().tokens():
+        abandon(token, "was still held when the process ended")
+
+
+atexit.register(_at_exit)

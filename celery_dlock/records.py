@@ -47,6 +47,9 @@ class Outcome(str, Enum):
     LOST = "lost"
     #: A dedupe mark released because a worker started its task (``until_started``).
     DEQUEUED = "dequeued"
+    #: Released because its holder let go without a release: the Lock object was
+    #: garbage-collected while held, or the process ended normally still holding it.
+    ABANDONED = "abandoned"
 
     def __str__(self) -> str:
         return self.value

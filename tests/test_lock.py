@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import gc
+import subprocess
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +87,8 @@ def test_waiter_gets_the_key_when_it_is_released(backend: MemoryBackend) -> None
     first = Lock(backend, "job:queue")
     first.acquire()
     got: list[Lease] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(Lock(backend, "job:queue", wait=None).acquire())
-    )
+    second = Lock(backend, "job:queue", wait=None)  # kept: a dropped Lock lets go of its lease
+    waiter = threading.Thread(target=lambda: got.append(second.acquire()))
     waiter.start()
     waiter.join(0.2)
     assert waiter.is_alive() and not got  # blocked while the key is held
@@ -95,6 +98,7 @@ def test_waiter_gets_the_key_when_it_is_released(backend: MemoryBackend) -> None
     assert got and got[0].key == "job:queue"
     held = backend.get("job:queue")
     assert held is not None and held.token == got[0].token
+    second.release()
 
 
 def test_acquire_wait_argument_overrides_the_lock_default(backend: MemoryBackend) -> None:
@@ -250,3 +254,70 @@ def test_lock_of_several_keys_gives_all_or_none_and_a_limit_gives_a_semaphore(
     assert isinstance(pool, Lock) and pool.slots == ("job:export#0", "job:export#1")
     with pytest.raises(ConfigurationError, match="at least one key"):
         celery_dlock.lock([], backend)
+
+
+def test_a_lock_collected_while_held_releases_its_lease_as_abandoned(
+    backend: MemoryBackend,
+) -> None:
+    lock = Lock(backend, "job:dropped")
+    held = lock.acquire()
+    with pytest.warns(ResourceWarning, match="job:dropped.*garbage-collected"):
+        del lock
+        gc.collect()
+    assert backend.get("job:dropped") is None
+    [record] = backend.history(key="job:dropped")
+    assert record.outcome is Outcome.ABANDONED and record.lease.token == held.token
+    assert record.details == "was garbage-collected while held"
+
+
+def test_a_released_or_detached_lock_collected_later_changes_nothing(
+    backend: MemoryBackend,
+) -> None:
+    released, kept = Lock(backend, "job:done"), Lock(backend, "job:kept")
+    released.acquire()
+    released.release()
+    lease = kept.acquire()
+    assert kept.detach() == lease
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        del released, kept
+        gc.collect()
+    assert [r.outcome for r in backend.history(key="job:done")] == [Outcome.SUCCEEDED]
+    current = backend.get("job:kept")
+    assert current is not None and current.token == lease.token  # detached: still held
+    backend.release(lease, Outcome.SUCCEEDED)
+
+
+def test_release_all_releases_what_this_process_holds(backend: MemoryBackend) -> None:
+    first, second = Lock(backend, "job:all:1"), Lock(backend, "job:all:2")
+    first.acquire()
+    second.acquire()
+    records = celery_dlock.release_all()
+    assert sorted(r.key for r in records) == ["job:all:1", "job:all:2"]
+    assert {r.outcome for r in records} == {Outcome.ABANDONED}
+    assert backend.get("job:all:1") is None and backend.get("job:all:2") is None
+    assert first.release() is None  # its lease is gone: recorded lost, not an error
+
+
+def test_a_process_that_ends_normally_releases_what_it_holds(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'locks'}"
+    code = (
+        "import celery_dlock\n"
+        f"lock = celery_dlock.Lock({url!r}, 'job:exit')\n"
+        "lock.acquire()\n"
+        "KEEP = lock  # referenced to the end: released by the exit handler\n"
+    )
+    ended = subprocess.run(
+        [sys.executable, "-W", "always::ResourceWarning", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert ended.returncode == 0, ended.stderr
+    assert "ResourceWarning" in ended.stderr and "job:exit" in ended.stderr
+    with celery_dlock.backend_from_url(url) as store:
+        assert store.get("job:exit") is None
+        [record] = store.history(key="job:exit")
+        assert record.outcome is Outcome.ABANDONED
+        assert record.details == "was still held when the process ended"

@@ -149,6 +149,7 @@ def test_a_sqlalchemy_session_commits_the_success_with_its_work(
     kept = backend.last_success("job:order:4", TASK)
     assert kept is not None and kept.result == {"value": "ch_4"}
     assert charges(schema) == [lease.token]
+    lock.release()
 
 
 def test_a_connection_to_another_database_is_named_as_the_problem(
@@ -168,3 +169,4 @@ def test_a_store_outside_the_apps_database_refuses_record_success() -> None:
     lock.acquire()
     with pytest.raises(ConfigurationError, match="record_success needs the postgres store"):
         lock.record_success(object(), {"value": 1})
+    lock.release(Outcome.FAILED)

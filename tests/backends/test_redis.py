@@ -555,9 +555,8 @@ def test_lock_waits_through_the_backend_for_a_release_in_another_process(
     assert process.stdout is not None and process.stdin is not None
     fence = int(process.stdout.readline())
     got: list[int] = []
-    waiter = threading.Thread(
-        target=lambda: got.append(Lock(backend, "job:handoff", ttl=30, wait=None).acquire().fence)
-    )
+    waiting = Lock(backend, "job:handoff", ttl=30, wait=None)  # kept while it holds
+    waiter = threading.Thread(target=lambda: got.append(waiting.acquire().fence))
     waiter.start()
     process.stdin.write("release\n")
     process.stdin.flush()
@@ -566,6 +565,7 @@ def test_lock_waits_through_the_backend_for_a_release_in_another_process(
     process.stdin.close()
     process.stdout.close()
     assert got and got[0] > fence
+    waiting.release()
 
 
 # -- the doctor --------------------------------------------------------------------------------

@@ -324,7 +324,8 @@ def test_a_restart_during_contention_breaks_no_mutual_exclusion(
     try:
         eventually(lambda: int(counter.read_text() or 0) >= 20 or None, "contention runs")
         # The test takes its turn, and Redis restarts while the test holds the lock.
-        lease = Lock(backend, "job:contended", ttl=30, wait=None, renew=False).acquire()
+        ours = Lock(backend, "job:contended", ttl=30, wait=None, renew=False)  # kept to the end
+        lease = ours.acquire()
         held_from = time.monotonic()
         server.restart()
         # The holder works on until its next renewal tells it the lease is gone: nobody
@@ -332,6 +333,7 @@ def test_a_restart_during_contention_breaks_no_mutual_exclusion(
         renewed = backend.renew(lease, 30)
         held_until = time.monotonic()
         released = backend.release(lease, Outcome.SUCCEEDED)
+        ours.detach()  # released through the backend above: the Lock lets go of it
         before = int(counter.read_text())
         eventually(lambda: int(counter.read_text() or 0) >= before + 20 or None, "runs on")
     finally:
