@@ -26,6 +26,7 @@ from celery_dlock.errors import (
     LockNotAcquiredError,
     LockTimeoutError,
 )
+from celery_dlock.events import fields
 from celery_dlock.keys import validate_key
 from celery_dlock.process import abandon, held, shared_backend
 from celery_dlock.records import (
@@ -341,7 +342,8 @@ class Lock:
         try:
             kept = self.backend.renew(lease, validate_ttl(ttl))
         except BackendError:
-            logger.exception("could not extend %s for its next acquisition", lease.key)
+            extra = fields("keep_failed", lease, backend=self.backend.url)
+            logger.exception("could not extend %s for its next acquisition", lease.key, extra=extra)
             kept = lease
         if kept is not None:
             held().add(self.backend, kept, kept=True)

@@ -18,6 +18,7 @@ from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.errors import DLockError
+from celery_dlock.events import fields
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = ["abandon", "held", "release_all", "shared_backend"]
@@ -107,7 +108,8 @@ def release_all(
         try:
             record = backend.release(lease, ending, problem, note)
         except DLockError as exc:
-            logger.error("cannot release %s: %s", lease.key, exc)
+            extra = fields("release_failed", lease, outcome=ending, backend=backend.url)
+            logger.error("cannot release %s: %s", lease.key, exc, extra=extra)
             continue
         if record is not None:
             records.append(record)
@@ -124,11 +126,12 @@ def abandon(token: str, why: str) -> Record | None:
     backend, lease, _ = entry
     message = f"lock on {lease.key!r} (fence {lease.fence}) {why}: released as abandoned"
     warnings.warn(message, ResourceWarning, stacklevel=2)
-    logger.warning("%s", message)
+    extra = fields("abandoned", lease, outcome=Outcome.ABANDONED, backend=backend.url)
+    logger.warning("%s", message, extra=extra)
     try:
         return backend.release(lease, Outcome.ABANDONED, "abandoned", why)
     except DLockError as exc:
-        logger.error("cannot release %s: %s", lease.key, exc)
+        logger.error("cannot release %s: %s", lease.key, exc, extra=extra)
         return None
 
 

@@ -12,6 +12,7 @@ import time
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import LockNotAcquiredError
+from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.records import Outcome
 
@@ -65,6 +66,7 @@ def reap(
                     record.fence,
                     record.lease.holder.describe(),
                     record.outcome,
+                    extra=fields("reaped", record.lease, outcome=record.outcome),
                 )
             if len(records) < batch:
                 break

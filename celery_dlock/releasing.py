@@ -16,6 +16,7 @@ from typing import Any
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, remembered
 from celery_dlock.errors import BackendError
+from celery_dlock.events import fields
 from celery_dlock.records import DETAILS_LIMIT, Lease, Outcome, Record, truncate_utf8
 
 __all__ = ["Ending", "release", "release_success"]
@@ -75,6 +76,7 @@ def release_success(backend: LockBackend, ending: Ending, retry: float) -> Recor
                     attempt,
                     retry,
                     exc,
+                    extra=fields("success_given_up", lease, backend=backend.url),
                 )
                 raise
             logger.warning(
@@ -86,6 +88,7 @@ def release_success(backend: LockBackend, ending: Ending, retry: float) -> Recor
                 attempt,
                 pause,
                 exc,
+                extra=fields("success_retrying", lease, backend=backend.url),
             )
             time.sleep(pause)
             pause = min(pause * 2, SUCCESS_PAUSE_MAX)
@@ -97,6 +100,7 @@ def release_success(backend: LockBackend, ending: Ending, retry: float) -> Recor
                 lease.key,
                 lease.fence,
                 attempt,
+                extra=fields("success_stored", lease, outcome=Outcome.SUCCEEDED),
             )
         return record
 
@@ -131,6 +135,7 @@ def _record_lost(backend: LockBackend, ending: Ending) -> None:
         mask_url(backend.url),
         Outcome.LOST,
         note,
+        extra=fields("release_lost", lease, outcome=Outcome.LOST, backend=backend.url),
     )
 
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import DLockError
-from celery_dlock.records import Lease
+from celery_dlock.events import fields
+from celery_dlock.records import Lease, Outcome
 
 __all__ = ["Renewer", "report_lost"]
 
@@ -68,9 +69,18 @@ class Renewer:
                 lease = self.backend.renew(self.lease, self.ttl)
             except DLockError as exc:
                 if time.monotonic() - renewed_at < self.ttl:
-                    logger.warning("renewal of %s failed, will retry: %s", self.lease.key, exc)
+                    extra = fields("renew_failed", self.lease, backend=self.backend.url)
+                    logger.warning(
+                        "renewal of %s failed, will retry: %s", self.lease.key, exc, extra=extra
+                    )
                     continue
-                logger.error("lease on %s expired while its store failed: %s", self.lease.key, exc)
+                extra = fields("renew_expired", self.lease, backend=self.backend.url)
+                logger.error(
+                    "lease on %s expired while its store failed: %s",
+                    self.lease.key,
+                    exc,
+                    extra=extra,
+                )
                 lease = None
             if self._stopping.is_set():
                 return
@@ -94,9 +104,11 @@ def report_lost(lease: Lease, on_lost: Callable[[Lease], None] | None, how: str 
         lease.fence,
         lease.holder.describe(),
         how,
+        extra=fields("lease_lost", lease, outcome=Outcome.LOST),
     )
     if on_lost is not None:
         try:
             on_lost(lease)
         except Exception:
-            logger.exception("on_lost callback for %s failed", lease.key)
+            extra = fields("on_lost_failed", lease)
+            logger.exception("on_lost callback for %s failed", lease.key, extra=extra)

@@ -38,6 +38,7 @@ from celery.utils import uuid
 from celery_dlock.celery.outcomes import outcome_of
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import BackendError, DuplicateTaskError
+from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
@@ -133,7 +134,8 @@ def _ttl(task: Any, default: float, options: dict[str, Any]) -> float:
 def _duplicate(task: Any, key: str, queued: Lease) -> Any:
     task_id = queued.holder.task_id
     policy = task.on_duplicate
-    logger.info("%s not sent: %s is queued already as %s", task.name, key, task_id)
+    extra = fields("duplicate", key=key, task_id=task_id)
+    logger.info("%s not sent: %s is queued already as %s", task.name, key, task_id, extra=extra)
     if callable(policy):  # a function set on the task class is bound: it gets the task first
         return policy(key, task_id)
     if policy == "raise":
@@ -189,7 +191,8 @@ def mark_of(request: Any) -> Lease | None:
     try:
         return Lease.from_dict(found)
     except (KeyError, TypeError, ValueError):
-        logger.warning("ignoring a malformed %s header: %r", DEDUPE_HEADER, found)
+        extra = fields("bad_header")
+        logger.warning("ignoring a malformed %s header: %r", DEDUPE_HEADER, found, extra=extra)
         return None
 
 
@@ -207,7 +210,13 @@ def _end(
     try:
         return lock.end(mark, outcome, problem, details)
     except BackendError as exc:
-        logger.error("could not release the dedupe mark %s (it ends at its ttl): %s", mark.key, exc)
+        extra = fields("release_failed", mark, outcome=outcome)
+        logger.error(
+            "could not release the dedupe mark %s (it ends at its ttl): %s",
+            mark.key,
+            exc,
+            extra=extra,
+        )
         return None
 
 
@@ -224,7 +233,10 @@ def end_mark_of_attempt(
         lock = Lock(settings(task.app).backend, key)
         mark = lock.current()
     except BackendError as exc:
-        logger.error("cannot look up the dedupe mark of %s[%s]: %s", task.name, task_id, exc)
+        extra = fields("mark_lookup_failed", task_id=task_id)
+        logger.error(
+            "cannot look up the dedupe mark of %s[%s]: %s", task.name, task_id, exc, extra=extra
+        )
         return None
     if mark is None or mark.holder.task_id != task_id:
         return None

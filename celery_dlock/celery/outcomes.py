@@ -9,6 +9,7 @@ from typing import Any
 
 from celery.exceptions import Ignore, TaskRevokedError
 
+from celery_dlock.events import fields
 from celery_dlock.records import Outcome
 
 __all__ = ["outcome_of", "replayed", "stored_result"]
@@ -39,6 +40,7 @@ def stored_result(task_name: str, result: Any) -> dict[str, Any]:
             "%s returned a value that is not JSON (%s): once-replays will return None",
             task_name,
             type(result).__name__,
+            extra=fields("result_not_json"),
         )
         return {"value": None, "unstored": type(result).__qualname__}
     return {"value": result}

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from celery_dlock.backends.base import LockBackend, validate_ttl
 from celery_dlock.errors import ConfigurationError
+from celery_dlock.events import fields
 from celery_dlock.process import shared_backend
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ def warn_if_default_store(current: Settings) -> None:
             "dlock_backend is not set: locks live in the local file store %s, which only "
             "processes on this host share; set app.conf.dlock_backend for more",
             current.backend,
+            extra=fields("default_store", backend=current.backend),
         )
 
 

@@ -26,6 +26,7 @@ from celery.exceptions import TimeLimitExceeded
 from celery_dlock.celery.dedupe import end_mark_of_attempt
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import DLockError
+from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.process import release_all
 from celery_dlock.records import Outcome, Record
@@ -146,7 +147,8 @@ def release_dead_attempt(
             if lease.holder.task_id == task_id
         ]
     except DLockError as exc:
-        logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc)
+        extra = fields("dead_lookup_failed", task_id=task_id)
+        logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc, extra=extra)
         return None
     if not ours:
         return None  # released already, or another attempt's
@@ -171,6 +173,7 @@ def _gone(lease: Any, wait: float, cause: BaseException) -> bool | object | None
                 lease.holder.describe(),
                 wait,
                 type(cause).__name__,
+                extra=fields("holder_alive", lease),
             )
             return None
         time.sleep(0.05)
@@ -184,10 +187,16 @@ def _end_dead(  # noqa: PLR0917 - one dead attempt's lease and why
     try:
         record = lock.end(lease, outcome, type(cause).__name__, details)
     except DLockError as exc:
-        logger.error("cannot release %s of dead %s[%s]: %s", lease.key, task.name, task_id, exc)
+        extra = fields("release_failed", lease, outcome=outcome)
+        logger.error(
+            "cannot release %s of dead %s[%s]: %s", lease.key, task.name, task_id, exc, extra=extra
+        )
         return None
     if record is not None:
-        logger.warning("released %s of dead %s[%s] as %s", lease.key, task.name, task_id, outcome)
+        extra = fields("dead_released", lease, outcome=outcome)
+        logger.warning(
+            "released %s of dead %s[%s] as %s", lease.key, task.name, task_id, outcome, extra=extra
+        )
     return record
 
 

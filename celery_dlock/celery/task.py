@@ -52,6 +52,7 @@ from celery_dlock.errors import (
     LockLostError,
     LockNotAcquiredError,
 )
+from celery_dlock.events import fields
 from celery_dlock.keys import KeyTemplate
 from celery_dlock.lock import DEFAULT, Lock
 from celery_dlock.locks import Locks
@@ -282,6 +283,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                     self.name,
                     holder.task_id,
                     exc,
+                    extra=fields("ran_unlocked", key=lock.key, task_id=holder.task_id),
                 )
                 return self.run(*args, **kwargs)
             return self._requeue(exc, "the lock store failed")
@@ -351,7 +353,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         try:
             record = lock.release(outcome, problem, details, result)
         except BackendError:
-            logger.exception("could not release %s; the janitor will clear it", lease.key)
+            extra = fields("release_failed", lease, outcome=outcome)
+            logger.exception(
+                "could not release %s; the janitor will clear it", lease.key, extra=extra
+            )
             return
         if record is None and self.on_lock_lost == "raise" and exc is None:
             raise LockLostError(lease.key, lease.fence, "release")
@@ -399,7 +404,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             )
             lock.record_skip("locked", blocker)
             task_id = None if lock.holder is None else lock.holder.task_id
-            logger.info("%s[%s] skipped: %s %s", self.name, task_id, lock.key, blocker)
+            extra = fields("skipped", key=lock.key, task_id=task_id, outcome=Outcome.SKIPPED)
+            logger.info("%s[%s] skipped: %s %s", self.name, task_id, lock.key, blocker, extra=extra)
             return None
         if policy == "fail" or self._not_queued():
             raise exc
@@ -428,7 +434,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             request, None, None, countdown=delay, retries=request.retries, headers=headers
         )
         signature.apply_async()
-        logger.info("%s[%s] re-queued in %.1f s: %s", self.name, request.id, delay, why)
+        extra = fields("requeued", task_id=request.id)
+        logger.info(
+            "%s[%s] re-queued in %.1f s: %s", self.name, request.id, delay, why, extra=extra
+        )
         raise Retry(exc=exc, when=delay, sig=signature)
 
     # -- a lost lease ------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from celery_dlock.backends.base import success_task
 from celery_dlock.backends.naming import file_name
 from celery_dlock.backends.objectstore.layout import encode, keeps_result
 from celery_dlock.errors import BackendError
+from celery_dlock.events import fields
 from celery_dlock.records import Outcome, Record
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool 
         for name in names:
             backend.objects.create(name, body)
     except BackendError as exc:
-        logger.warning("record of %s not yet in history: %s", record["lease"]["key"], exc)
+        extra = fields("history_delayed", key=record["lease"]["key"], backend=backend.url)
+        logger.warning("record of %s not yet in history: %s", extra["key"], exc, extra=extra)
         return
     if history:
         local.mark_flushed(token)

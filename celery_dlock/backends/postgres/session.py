@@ -32,6 +32,7 @@ from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.prepared import PreparedStatements
 from celery_dlock.backends.postgres.sql import ddl
 from celery_dlock.errors import ConfigurationError
+from celery_dlock.events import fields
 from celery_dlock.records import Lease
 
 __all__ = ["Client", "Session", "connection_lost", "migrate"]
@@ -193,7 +194,8 @@ class Client:
                 try:
                     on_lost(lease)
                 except Exception:
-                    logger.exception("on_lost callback for %s failed", lease.key)
+                    extra = fields("on_lost_failed", lease)
+                    logger.exception("on_lost callback for %s failed", lease.key, extra=extra)
             if idle:
                 return
 
@@ -213,7 +215,8 @@ class Client:
         except (psycopg.Error, OSError):
             ended = True
         if ended:
-            logger.warning("the lock session (backend pid %d) ended", session.pid)
+            extra = fields("session_ended", backend=self.config.url)
+            logger.warning("the lock session (backend pid %d) ended", session.pid, extra=extra)
             self.drop()
 
     # -- waiters ---------------------------------------------------------------------------
