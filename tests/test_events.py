@@ -57,9 +57,15 @@ def lines() -> list[str]:
     handler = Keep()
     handler.setFormatter(JsonLines())
     logger = logging.getLogger("celery_dlock")
+    # Another test's Celery may have set the level (loglevel='error') or disabled the logger.
+    level, disabled = logger.level, logger.disabled
+    logger.setLevel(logging.INFO)
+    logger.disabled = False
     logger.addHandler(handler)
     yield captured
     logger.removeHandler(handler)
+    logger.setLevel(level)
+    logger.disabled = disabled
 
 
 def events(lines: list[str]) -> list[dict[str, object]]:

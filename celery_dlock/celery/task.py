@@ -200,7 +200,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             raise LockKeyError(f"task {self.name} has no lock_key")
         if namespace is None:
             namespace = settings(self.app).namespace
-        bodies = [t.render(tuple(args or ()), kwargs or {}) for t in self._dlock_templates]
+        args, kwargs = tuple(args or ()), kwargs or {}
+        bodies = [template.render(args, kwargs) for template in self._dlock_templates]
+        if len(bodies) == 1:  # the usual task: one key
+            return [f"{namespace}:{bodies[0]}" if namespace else bodies[0]]
         return sorted({f"{namespace}:{body}" if namespace else body for body in bodies})
 
     # -- sending -------------------------------------------------------------------------
@@ -256,10 +259,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         task_thread = threading.get_ident()
         on_lost = functools.partial(self._lease_lost, task_thread=task_thread)
         lock: Any
-        if len(keys) > 1:  # all or none; a set has no hand-over to a retry
-            lock = Locks(current.backend, keys, ttl, self.lock_wait, holder=holder, on_lost=on_lost)
-            acquire = lock.acquire
-        else:
+        single = len(keys) == 1  # else all or none; a set has no hand-over to a retry
+        if single:
             lock = Lock(
                 current.backend,
                 keys[0],
@@ -269,9 +270,13 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 on_lost=on_lost,
                 limit=self.lock_limit,
             )
-            acquire = functools.partial(lock.acquire, replace=_header(request, RETRY_HEADER))
+        else:
+            lock = Locks(current.backend, keys, ttl, self.lock_wait, holder=holder, on_lost=on_lost)
         try:
-            acquire()
+            if single:
+                lock.acquire(replace=_header(request, RETRY_HEADER))
+            else:
+                lock.acquire()
         except LockNotAcquiredError as exc:
             return self._busy(lock, exc)
         except BackendError as exc:
