@@ -19,10 +19,10 @@ the chain, or leave the group waiting for a result under an id that never runs. 
 lock still guards it.
 
 A message revoked or expired before it ran releases its mark when the worker discards it
-(``revoked``, ``expired``); a child that died mid-task releases it from the parent
-(``disconnected``); a send that fails releases it before ``apply_async`` raises
-(``failed``). ``send_task`` by name does not pass through the task class, so it is not
-guarded at enqueue; the body lock still guards the run.
+(``revoked``, ``expired``), or at once through ``task.revoke_queued(*args, **kwargs)``; a
+child that died mid-task releases it from the parent (``disconnected``); a send that fails
+releases it before ``apply_async`` raises (``failed``). ``send_task`` by name does not pass
+through the task class, so it is not guarded at enqueue; the body lock still guards the run.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ __all__ = [
     "in_workflow",
     "mark_key",
     "mark_of",
+    "revoke_queued",
     "run_marked",
     "send",
 ]
@@ -218,6 +219,24 @@ def _end(
             extra=extra,
         )
         return None
+
+
+def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Revoke the message queued under ``task``'s mark for these arguments and release the
+    mark at once (recorded ``revoked``), so that the next ``apply_async`` sends again.
+
+    Returns:
+        the id of the task revoked, or None when no message was queued under a mark.
+    """
+    current = settings(task.app)
+    key = mark_key(task.lock_key_for(args, kwargs, current.namespace), task.name)
+    lock = Lock(current.backend, key)
+    mark = lock.current()
+    if mark is None or mark.holder.task_id is None:
+        return None
+    task.app.control.revoke(mark.holder.task_id)
+    _end(lock, mark, Outcome.REVOKED, None, "revoked while queued (revoke_queued)")
+    return mark.holder.task_id
 
 
 def end_mark_of_attempt(

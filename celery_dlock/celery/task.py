@@ -226,6 +226,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             self, tuple(args or ()), dict(kwargs or {}), message, super().apply_async
         )
 
+    def revoke_queued(self, *args: Any, **kwargs: Any) -> str | None:
+        """Revoke this task's message queued under a ``dedupe`` mark for these arguments,
+        releasing the mark at once (a plain ``revoke()`` releases it only when a worker
+        reaches the message); the revoked task's id, or None if none was queued."""
+        return dedupe.revoke_queued(self, args, kwargs)
+
     # -- running -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

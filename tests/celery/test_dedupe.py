@@ -131,6 +131,25 @@ def test_a_message_revoked_while_queued_releases_its_mark(worker: Worker) -> Non
     assert sync.delay(who, 0).id != queued.id
 
 
+def test_revoke_queued_releases_the_mark_at_once_and_the_message_never_runs(
+    worker: Worker,
+) -> None:
+    who = customer()
+    sync = worker.tasks.sync
+    queued = sync.apply_async((who, 0), countdown=3)
+    assert sync.revoke_queued(who, 0) == queued.id
+    key = mark_of("w.sync", f"sync:{who}")
+    assert worker.store.get(key) is None  # at once, not when the worker reaches the message
+    [record] = worker.history(key)
+    assert record.outcome is Outcome.REVOKED and record.lease.holder.task_id == queued.id
+    again = sync.delay(who, 0)  # the next call sends again
+    assert again.id != queued.id
+    again.get(timeout=60)
+    eventually(lambda: queued.state == "REVOKED", "the queued message discarded")
+    assert [e for e in worker.events() if e["id"] == queued.id] == []
+    assert sync.revoke_queued(who, 0) is None  # nothing queued now
+
+
 def test_an_expired_message_releases_its_mark_as_expired(worker: Worker) -> None:
     who = customer()
     sync = worker.tasks.sync
