@@ -29,7 +29,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +39,8 @@ from celery._state import _task_stack
 from celery.exceptions import Reject, Retry
 
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import dedupe, signals
+from celery_dlock.celery import busy, dedupe, signals
+from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import check_options
 from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
 from celery_dlock.celery.settings import settings, warn_if_default_store
@@ -62,10 +62,6 @@ __all__ = ["LockedTask"]
 
 logger = logging.getLogger("celery_dlock.task")
 
-#: Message header carrying the token of the lease a retry continues.
-RETRY_HEADER = "dlock_lease"
-#: Message header counting re-queues for a busy key (not Celery's own ``retries``).
-BUSY_HEADER = "dlock_busy"
 #: A lease kept for a retry also gets this long, past the retry's countdown, before it
 #: expires by itself if the retry never comes.
 RETRY_GRACE = 300.0
@@ -280,11 +276,11 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             lock = Locks(current.backend, keys, ttl, self.lock_wait, holder=holder, on_lost=on_lost)
         try:
             if single:
-                lock.acquire(replace=_header(request, RETRY_HEADER))
+                lock.acquire(replace=header(request, RETRY_HEADER))
             else:
                 lock.acquire()
         except LockNotAcquiredError as exc:
-            return self._busy(lock, exc)
+            return busy.apply_policy(self, lock, exc)
         except BackendError as exc:
             if current.on_backend_error == "run":
                 logger.warning(
@@ -297,7 +293,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                     extra=fields("ran_unlocked", key=lock.key, task_id=holder.task_id),
                 )
                 return self.run(*args, **kwargs)
-            return self._requeue(exc, "the lock store failed")
+            return busy.requeue(self, exc, "the lock store failed")
         request.dlock_lock = lock
         try:
             return self._body(lock, args, kwargs)
@@ -400,57 +396,6 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             self.request.dlock_keep = True
         return super().retry(*args, **kwargs)
 
-    # -- a busy key ------------------------------------------------------------------------
-
-    def _busy(self, lock: Lock, exc: LockNotAcquiredError) -> Any:
-        policy = self.on_locked
-        current = _current_lease(lock)
-        if callable(policy):
-            return policy(lock.key, current)
-        if policy == "skip":
-            blocker = (
-                f"held by {current.holder.describe()} (fence {current.fence})"
-                if current is not None
-                else "held"
-            )
-            lock.record_skip("locked", blocker)
-            task_id = None if lock.holder is None else lock.holder.task_id
-            extra = fields("skipped", key=lock.key, task_id=task_id, outcome=Outcome.SKIPPED)
-            logger.info("%s[%s] skipped: %s %s", self.name, task_id, lock.key, blocker, extra=extra)
-            return None
-        if policy == "fail" or self._not_queued():
-            raise exc
-        attempt = int(_header(self.request, BUSY_HEADER) or 0)
-        if self.lock_retry_max is not None and attempt >= self.lock_retry_max:
-            raise exc
-        return self._requeue(exc, f"{lock.key} is busy", attempt)
-
-    def _not_queued(self) -> bool:
-        """Eager runs and direct calls have no queue to go back to."""
-        request = self.request
-        return bool(request.called_directly or request.is_eager)
-
-    def _requeue(self, exc: Exception, why: str, attempt: int = 0) -> Any:
-        """Send this request again later with jittered backoff, keeping Celery's own
-        ``retries`` count, and end this attempt as RETRY."""
-        if self._not_queued():
-            raise exc
-        request = self.request
-        delay = min(self.lock_retry_backoff_max, self.lock_retry_backoff * 2**attempt)
-        delay *= random.uniform(0.5, 1.0)
-        headers = dict(request.headers or {})
-        headers[BUSY_HEADER] = attempt + 1
-        headers.pop(RETRY_HEADER, None)
-        signature = self.signature_from_request(
-            request, None, None, countdown=delay, retries=request.retries, headers=headers
-        )
-        signature.apply_async()
-        extra = fields("requeued", task_id=request.id)
-        logger.info(
-            "%s[%s] re-queued in %.1f s: %s", self.name, request.id, delay, why, extra=extra
-        )
-        raise Retry(exc=exc, when=delay, sig=signature)
-
     # -- a lost lease ------------------------------------------------------------------------
 
     def _lease_lost(self, lease: Lease, task_thread: int) -> None:
@@ -464,16 +409,3 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(task_thread), ctypes.py_object(LockLostError)
             )
-
-
-def _header(request: Any, name: str) -> Any:
-    headers = getattr(request, "headers", None) or {}
-    value = headers.get(name) if isinstance(headers, dict) else None
-    return value if value is not None else getattr(request, name, None)
-
-
-def _current_lease(lock: Lock) -> Lease | None:
-    try:
-        return lock.current()
-    except BackendError:
-        return None

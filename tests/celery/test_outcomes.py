@@ -1,6 +1,7 @@
 """What a task's run leaves in the history: success, failure with its exception, a
 skipped or rejected run, a long body kept by renewal, a direct call; and a lock store that
-fails (the task never runs unlocked). Embedded worker, and eager runs."""
+fails (the task never runs unlocked). Embedded worker (eager runs are tested with the
+behaviour they exercise: test_once, test_on_locked, test_retries)."""
 
 from __future__ import annotations
 

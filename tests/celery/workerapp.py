@@ -1,4 +1,5 @@
-"""The app a real prefork worker runs in tests/celery/test_prefork.py.
+"""The app the real prefork worker of the Celery tests runs (``tests.celery.prefork``; the
+``worker`` fixture of tests/celery/conftest.py and the tests that start their own).
 
 Configured by environment: DLOCK_TEST_BROKER, DLOCK_TEST_RESULTS, DLOCK_TEST_LOCKS (lock
 store URL), DLOCK_TEST_LEDGER (a file the task bodies append events to), and optionally

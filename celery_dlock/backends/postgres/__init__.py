@@ -61,13 +61,10 @@ Install
 from __future__ import annotations
 
 import json
-import math
-import random
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import psycopg
 from psycopg.types.numeric import Int8
 
 from celery_dlock.backends.base import (
@@ -79,8 +76,8 @@ from celery_dlock.backends.base import (
     validate_ttl,
 )
 from celery_dlock.backends.common import ProcessLocal
-from celery_dlock.backends.postgres import rows, transactional
-from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url, translate
+from celery_dlock.backends.postgres import rows, transactional, waiting
+from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url
 from celery_dlock.backends.postgres.recovery import (
     SessionEnded,
     refuse,
@@ -394,34 +391,9 @@ class PostgresBackend(LockBackend):
 
     def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Block until ``key``'s holder lets go (or is gone, or its lease expires), at most
-        ``timeout`` seconds, woken by the server (see the module's ``wait``).
-
-        Returns:
-            the waiter's place in the key's queue when woken (see ``LockBackend.wait``);
-            None when the timeout ran out first (the place is left), and when every waiter
-            connection is busy (``max_waiters``: a short poll instead).
-        """
+        ``timeout`` seconds, woken by the server; see :func:`waiting.wait`."""
         client = self._clients.get()
-        queued = Queued.of(place, key)
-        if timeout <= 0:
-            return queued
-        params = {"key": key, "ms": max(1, math.ceil(timeout * 1000))}
-        conn = client.check_out() if queued is None else queued.conn
-        if conn is None:  # max_waiters are busy: poll
-            time.sleep(min(timeout, random.uniform(0.025, 0.05)))
-            return None
-        waiting = queued or client.place(key, conn)
-        try:
-            cursor = psycopg.ClientCursor(conn)
-            cursor.execute(self._sql.wait if queued is None else self._sql.wait_again, params)
-        except psycopg.Error as exc:
-            # Leaving also lets go of a queue lock granted just before a reported timeout
-            # (the race DistributedLock#147 found); the caller tries the key again anyway.
-            waiting.leave()
-            if exc.sqlstate not in ("55P03", "57014") or conn.closed:
-                raise translate(exc, "wait", self.url) from exc
-            return None
-        return waiting
+        return waiting.wait(client, self._sql, self.url, key=key, timeout=timeout, place=place)
 
     # -- the process's connections -------------------------------------------------------
 

@@ -1,0 +1,55 @@
+"""Waiting for a key held by another session: woken by the server, first come first served.
+
+The waiters of a key queue on a per-key advisory lock; the first of them waits on the
+holder's advisory lock (under a transaction-local ``lock_timeout``), and a release wakes that
+one only. A waiter's connection stays in the queue as its :class:`Queued` place until it
+acquires or gives up (see ``LockBackend.wait``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import psycopg
+
+from celery_dlock.backends.base import Place
+from celery_dlock.backends.postgres.config import translate
+from celery_dlock.backends.postgres.session import Client, Queued
+from celery_dlock.backends.postgres.statements import Statements
+
+__all__ = ["wait"]
+
+
+def wait(
+    client: Client, sql: Statements, url: str, *, key: str, timeout: float, place: Place | None
+) -> Place | None:
+    """Block until ``key``'s holder lets go (or is gone, or its lease expires), at most
+    ``timeout`` seconds.
+
+    Returns:
+        the waiter's place in the key's queue when woken (see ``LockBackend.wait``); None
+        when the timeout ran out first (the place is left), and when every waiter connection
+        is busy (``max_waiters``: a short poll instead).
+    """
+    queued = Queued.of(place, key)
+    if timeout <= 0:
+        return queued
+    params = {"key": key, "ms": max(1, math.ceil(timeout * 1000))}
+    conn = client.check_out() if queued is None else queued.conn
+    if conn is None:  # max_waiters are busy: poll
+        time.sleep(min(timeout, random.uniform(0.025, 0.05)))
+        return None
+    waiting = queued or client.place(key, conn)
+    try:
+        cursor = psycopg.ClientCursor(conn)
+        cursor.execute(sql.wait if queued is None else sql.wait_again, params)
+    except psycopg.Error as exc:
+        # Leaving also lets go of a queue lock granted just before a reported timeout (the
+        # race DistributedLock#147 found); the caller tries the key again anyway.
+        waiting.leave()
+        if exc.sqlstate not in ("55P03", "57014") or conn.closed:
+            raise translate(exc, "wait", url) from exc
+        return None
+    return waiting

@@ -1,0 +1,89 @@
+"""A busy key in a Celery task: the ``on_locked`` policy, and the re-queue with backoff
+that ``"retry"`` (and a failing store) uses."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from celery.exceptions import Retry
+
+from celery_dlock.errors import BackendError, LockNotAcquiredError
+from celery_dlock.events import fields
+from celery_dlock.lock import Lock
+from celery_dlock.records import Lease, Outcome
+
+__all__ = ["BUSY_HEADER", "RETRY_HEADER", "apply_policy", "current_lease", "header", "requeue"]
+
+logger = logging.getLogger("celery_dlock.task")
+
+#: Message header carrying the token of the lease a retry continues.
+RETRY_HEADER = "dlock_lease"
+#: Message header counting re-queues for a busy key (not Celery's own ``retries``).
+BUSY_HEADER = "dlock_busy"
+
+
+def apply_policy(task: Any, lock: Lock, exc: LockNotAcquiredError) -> Any:
+    """The task's ``on_locked`` policy for a busy key: a callable's answer, a ``skipped``
+    record, the error, or a re-queue."""
+    policy = task.on_locked
+    current = current_lease(lock)
+    if callable(policy):
+        return policy(lock.key, current)
+    if policy == "skip":
+        blocker = (
+            f"held by {current.holder.describe()} (fence {current.fence})"
+            if current is not None
+            else "held"
+        )
+        lock.record_skip("locked", blocker)
+        task_id = None if lock.holder is None else lock.holder.task_id
+        extra = fields("skipped", key=lock.key, task_id=task_id, outcome=Outcome.SKIPPED)
+        logger.info("%s[%s] skipped: %s %s", task.name, task_id, lock.key, blocker, extra=extra)
+        return None
+    if policy == "fail" or not_queued(task):
+        raise exc
+    attempt = int(header(task.request, BUSY_HEADER) or 0)
+    if task.lock_retry_max is not None and attempt >= task.lock_retry_max:
+        raise exc
+    return requeue(task, exc, f"{lock.key} is busy", attempt)
+
+
+def not_queued(task: Any) -> bool:
+    """Eager runs and direct calls have no queue to go back to."""
+    request = task.request
+    return bool(request.called_directly or request.is_eager)
+
+
+def requeue(task: Any, exc: Exception, why: str, attempt: int = 0) -> Any:
+    """Send this request again later with jittered backoff, keeping Celery's own
+    ``retries`` count, and end this attempt as RETRY."""
+    if not_queued(task):
+        raise exc
+    request = task.request
+    delay = min(task.lock_retry_backoff_max, task.lock_retry_backoff * 2**attempt)
+    delay *= random.uniform(0.5, 1.0)
+    headers = dict(request.headers or {})
+    headers[BUSY_HEADER] = attempt + 1
+    headers.pop(RETRY_HEADER, None)
+    signature = task.signature_from_request(
+        request, None, None, countdown=delay, retries=request.retries, headers=headers
+    )
+    signature.apply_async()
+    extra = fields("requeued", task_id=request.id)
+    logger.info("%s[%s] re-queued in %.1f s: %s", task.name, request.id, delay, why, extra=extra)
+    raise Retry(exc=exc, when=delay, sig=signature)
+
+
+def header(request: Any, name: str) -> Any:
+    headers = getattr(request, "headers", None) or {}
+    value = headers.get(name) if isinstance(headers, dict) else None
+    return value if value is not None else getattr(request, name, None)
+
+
+def current_lease(lock: Lock) -> Lease | None:
+    try:
+        return lock.current()
+    except BackendError:
+        return None
