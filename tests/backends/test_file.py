@@ -3,20 +3,24 @@ day segments, corruption, kernel wakeups, fork."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import stat
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from celery_dlock import BackendError, Holder, Outcome
+from celery_dlock import BackendError, Holder, Outcome, Record
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.file.wakeups import Inotify
 from celery_dlock.backends.naming import file_name
 from celery_dlock.testing import FakeClock
 from tests.backends.test_contract import KEYS
+from tests.support import unavailable
 
 
 @pytest.fixture
@@ -185,3 +189,68 @@ def test_a_forked_child_uses_its_own_files(backend: FileBackend) -> None:
     assert os.waitstatus_to_exitcode(status) == 0
     current = backend.get("job:fork")
     assert current is not None and current.token == held.token
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a disk that fills up (found by the torture harness's diskfull chaos)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        unavailable(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_never_acknowledges_a_release_whose_record_it_lost(small_disk: Path) -> None:
+    """The torture harness found it: a history append cut short by a full disk was taken for
+    a whole one (the release acknowledged, its record torn), and the next record was glued
+    to the torn line, so both were lost."""
+    backend = FileBackend(str(small_disk / "locks"))
+    first = backend.try_acquire("job:full:warm", Holder.current(), None)
+    assert first is not None and backend.release(first, Outcome.SUCCEEDED) is not None
+    torn = backend.try_acquire("job:full:a", Holder.current(), None)
+    assert torn is not None
+    filler = small_disk / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:  # fill the disk to the last page
+            f.write(b"x" * 4096)
+    with open(filler, "r+b") as f:  # then give back one page: room for part of a record
+        f.truncate(filler.stat().st_size - 4096)
+    acknowledged: list[Record] = []
+    with contextlib.suppress(BackendError):  # refusing is right; acknowledging is a promise
+        record = backend.release(torn, Outcome.FAILED, "Boom", "d" * 12000)
+        assert record is not None
+        acknowledged.append(record)
+    filler.unlink()  # room again
+    after = backend.try_acquire("job:full:b", Holder.current(), None)
+    assert after is not None
+    record = backend.release(after, Outcome.SUCCEEDED)
+    assert record is not None
+    acknowledged.append(record)
+    kept = {(r.key, r.lease.token) for r in backend.history(limit=None)}
+    missing = [(r.key, r.lease.token) for r in acknowledged if (r.key, r.lease.token) not in kept]
+    assert missing == []
+    backend.close()
+
+
+def test_a_record_glued_to_a_torn_line_by_another_process_is_still_read(tmp_path: Path) -> None:
+    """A process whose append a full disk cut short cannot end the line for the others:
+    the next record may follow on the same line, and the reader finds it there."""
+    backend = FileBackend(str(tmp_path / "locks"))
+    lease = backend.try_acquire("job:glued", Holder.current(), None)
+    assert lease is not None
+    record = backend.release(lease, Outcome.SUCCEEDED)
+    assert record is not None
+    [segment] = list((tmp_path / "locks" / "history").iterdir())
+    line = segment.read_bytes()
+    segment.write_bytes(line[: len(line) // 2] + line)  # a torn half, the record glued to it
+    assert [r.lease.token for r in backend.history(key="job:glued")] == [lease.token]
+    backend.close()

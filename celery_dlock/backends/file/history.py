@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import errno
 import json
 import os
 import threading
@@ -21,7 +22,7 @@ encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 class Segment:
     """This process's open history segment (the file of the day it last appended to)."""
 
-    __slots__ = ("day", "directory", "fd", "fsync", "mutex", "url")
+    __slots__ = ("day", "directory", "fd", "fsync", "mutex", "torn", "url")
 
     def __init__(self, directory: str, fsync: bool, url: str) -> None:
         self.directory = directory
@@ -30,6 +31,8 @@ class Segment:
         self.mutex = threading.Lock()
         self.day = -1
         self.fd = -1
+        #: The last append was cut short: its line has no end yet.
+        self.torn = False
 
     def append(self, record: Record, lease_json: str | None = None) -> None:
         """Append ``record`` to its day's segment: one ``write`` of one line, which
@@ -44,7 +47,12 @@ class Segment:
                     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
                     self.fd = os.open(os.path.join(self.directory, name), flags, 0o600)
                     self.day = day
-                os.write(self.fd, data)
+                if self.torn:  # end the line an earlier short write left unfinished
+                    data = b"\n" + data
+                written = os.write(self.fd, data)
+                self.torn = written < len(data)
+                if self.torn:  # a full disk cuts a write short without an error
+                    raise OSError(errno.ENOSPC, f"wrote {written} of {len(data)} bytes")
                 if self.fsync:
                     os.fsync(self.fd)
         except OSError as exc:
@@ -58,6 +66,10 @@ class Segment:
         if self.fd >= 0:
             fd, self.fd, self.day = self.fd, -1, -1
             os.close(fd)
+
+
+#: How every record line begins (``record_line``).
+_RECORD_START = b'{"lease":'
 
 
 def record_line(record: Record, lease_json: str | None) -> bytes:
@@ -91,9 +103,13 @@ def read_segment(directory: str, segment: str) -> list[Record]:
         return []
     records = []
     for line in data.split(b"\n"):
-        # The last line may be a record whose append is still under way: skip it.
-        with contextlib.suppress(ValueError, KeyError, TypeError):
-            records.append(Record.from_dict(json.loads(line)))
+        # The last line may be a record whose append is still under way, and a line may
+        # start with what is left of an append a full disk cut short (another process may
+        # have glued its record to it): each line's last record start is tried too.
+        for start in dict.fromkeys((0, line.rfind(_RECORD_START))):
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                records.append(Record.from_dict(json.loads(line[max(start, 0) :])))
+                break
     return records
 
 
