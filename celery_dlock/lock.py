@@ -183,7 +183,7 @@ class Lock:
                     return lease
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise self._busy(limit)
+                    raise self.busy_error(limit)
                 pause = POLL * random.uniform(0.5, 1.0)
                 pause = pause if remaining is None else min(pause, remaining)
                 waiting_on = random.choice(self.slots) if place is None else place.key
@@ -218,7 +218,9 @@ class Lock:
             self._held(lease)
         return lease
 
-    def _busy(self, waited: float | None) -> LockNotAcquiredError:
+    def busy_error(self, waited: float | None) -> LockNotAcquiredError:
+        """The error for this key found busy after waiting ``waited`` seconds, naming its
+        holder."""
         current = self.current()
         holder = None if current is None else current.holder.describe()
         if not waited:

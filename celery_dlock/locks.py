@@ -19,8 +19,6 @@ from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import (
     BackendError,
     ConfigurationError,
-    LockNotAcquiredError,
-    LockTimeoutError,
 )
 from celery_dlock.keys import validate_key
 from celery_dlock.lock import DEFAULT, POLL, Lock, _Default, end_block, validate_wait
@@ -101,11 +99,7 @@ class Locks:
                 return self.leases
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                current = busy.current()
-                holder = None if current is None else current.holder.describe()
-                if not limit:
-                    raise LockNotAcquiredError(busy.key, holder)
-                raise LockTimeoutError(busy.key, limit, holder)
+                raise busy.busy_error(limit)
             pause = POLL * random.uniform(0.5, 1.0)
             place = self.backend.wait(
                 busy.key, pause if remaining is None else min(pause, remaining)
