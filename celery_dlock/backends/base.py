@@ -23,6 +23,7 @@ __all__ = [
     "MonotonicClock",
     "Place",
     "WallClock",
+    "hand_over_ttl",
     "remembered",
     "server_time",
     "success_task",
@@ -72,6 +73,14 @@ def validate_ttl(ttl: float | None) -> float | None:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
         raise ConfigurationError(f"ttl must be a positive number of seconds or None, not {ttl!r}")
     return float(ttl)
+
+
+def hand_over_ttl(ttl: float | None) -> float:
+    """``ttl`` of a ``hand_over``, validated: required, since nothing else would free the key."""
+    seconds = validate_ttl(ttl)
+    if seconds is None:
+        raise ValueError("hand_over needs a ttl: nothing else would ever free the key")
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +203,17 @@ class LockBackend(ABC):
     @abstractmethod
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         """Extend ``lease`` to ``ttl`` seconds from now if it is still ours, else None."""
+
+    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+        """Keep ``lease`` alive by its ``ttl`` alone from now on, ``ttl`` seconds from now:
+        no longer tied to this process or its lock session, it outlives both (a dedupe mark
+        is held on behalf of a queued message, not of the producer that sent it). It is
+        released by its token as before, the janitor clears it only once it expired, and a
+        waiter polls it. None if it is not ours any more.
+
+        This default is :meth:`renew`: right for stores whose only liveness is expiry.
+        """
+        return self.renew(lease, hand_over_ttl(ttl))
 
     @abstractmethod
     def get(self, key: str) -> Lease | None:

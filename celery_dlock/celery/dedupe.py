@@ -1,9 +1,12 @@
 """Enqueue-time de-duplication (``dedupe``): guarding the queue, not only the body.
 
 A ``LockedTask`` with ``dedupe`` takes a *mark* before it sends a message: a lease in the
-task's lock store on ``<lock key>#queued:<task name>``, held on behalf of the message (its
-holder names the producer and the new task id), with a ttl (``dedupe_ttl``, plus any
-countdown) so that a message that is lost never blocks the key for ever. A second
+task's lock store on ``<lock key>#queued:<task name>`` (its holder names the producer and
+the new task id). While the message is being sent the mark lives with its producer (and at
+most ``SEND_TTL``): a producer killed before its send leaves nothing that blocks the key for
+long. Once the message is on the broker the mark is handed over to it
+(``LockBackend.hand_over``): it lives by its ttl alone (``dedupe_ttl``, plus any countdown),
+whatever becomes of the producer, so that a lost message never blocks the key for ever. A second
 ``apply_async`` with the same key while the mark is held sends nothing and answers with the
 queued task's ``AsyncResult`` (``on_duplicate``). The mark travels in a message header; the
 worker releases it by that lease's token, never by key alone:
@@ -52,6 +55,7 @@ __all__ = [
     "in_workflow",
     "mark_key",
     "mark_of",
+    "release_mark",
     "revoke_queued",
     "run_marked",
     "send",
@@ -65,6 +69,9 @@ MODES = ("until_started", "until_finished")
 ON_DUPLICATE = ("return", "raise")
 #: Tries when the mark is released between our attempt and our look at its holder.
 _ATTEMPTS = 3
+#: Seconds a mark lives while its message is being sent: a producer killed before the send
+#: blocks the key this long at most on stores without holder liveness (Redis, S3, GCS).
+SEND_TTL = 60.0
 
 
 def mark_key(lock_key: str, task_name: str) -> str:
@@ -92,7 +99,7 @@ def send(
     task_id = options.pop("task_id", None) or uuid()
     ttl = _ttl(task, current.dedupe_ttl, options)
     holder = Holder.current(task_id=task_id, task_name=task.name)
-    mark = Lock(current.backend, key, ttl, holder=holder, renew=False)
+    mark = Lock(current.backend, key, min(ttl, SEND_TTL), holder=holder, renew=False)
     for _ in range(_ATTEMPTS):
         if mark.attempt() is not None:
             break
@@ -104,11 +111,35 @@ def send(
     lease = mark.detach()  # the message holds it now, not this process
     headers = {**(options.pop("headers", None) or {}), DEDUPE_HEADER: lease.to_dict()}
     try:
-        return send_message(args, kwargs, task_id=task_id, headers=headers, **options)
+        sent = send_message(args, kwargs, task_id=task_id, headers=headers, **options)
     except BaseException as exc:
         details = f"the message was not sent ({type(exc).__name__}: {exc})"
-        _end(mark, lease, Outcome.FAILED, type(exc).__name__, details)
+        release_mark(mark, lease, Outcome.FAILED, type(exc).__name__, details)
         raise
+    _hand_over(mark, lease, ttl)
+    return sent
+
+
+def _hand_over(mark: Lock, lease: Lease, ttl: float) -> None:
+    """The message is on the broker: its mark now lives by ``ttl`` alone, whatever becomes
+    of this process (a script that exits, a web worker recycled). A failure here is logged:
+    the mark then ends after ``SEND_TTL`` or with this process, and a duplicate may be sent
+    before the message runs (the body lock still guards the run)."""
+    try:
+        handed = mark.backend.hand_over(lease, ttl)
+    except BackendError as exc:
+        extra = fields("hand_over_failed", lease)
+        logger.error(
+            "could not hand the dedupe mark %s to its message: %s", lease.key, exc, extra=extra
+        )
+        return
+    if handed is None:
+        extra = fields("hand_over_lost", lease)
+        logger.warning(
+            "the dedupe mark %s ended before its message was sent; a duplicate may be sent",
+            lease.key,
+            extra=extra,
+        )
 
 
 #: Options of a message that is part of a workflow (a chain's rest, callbacks, a group).
@@ -202,12 +233,14 @@ def end_mark(task: Any, mark: Lease, outcome: Outcome, details: str) -> Record |
     (its ttl ran out, an operator released it) is left alone. Store errors are logged:
     the mark then ends at its ttl."""
     lock = Lock(settings(task.app).backend, mark.key)
-    return _end(lock, mark, outcome, None, details)
+    return release_mark(lock, mark, outcome, None, details)
 
 
-def _end(
+def release_mark(
     lock: Lock, mark: Lease, outcome: Outcome, problem: str | None, details: str
 ) -> Record | None:
+    """Release ``mark`` by its token through ``lock``; a store error is logged (the mark
+    then ends at its ttl) and gives None, as does a mark that ended meanwhile."""
     try:
         return lock.end(mark, outcome, problem, details)
     except BackendError as exc:
@@ -235,7 +268,7 @@ def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
     if mark is None or mark.holder.task_id is None:
         return None
     task.app.control.revoke(mark.holder.task_id)
-    _end(lock, mark, Outcome.REVOKED, None, "revoked while queued (revoke_queued)")
+    release_mark(lock, mark, Outcome.REVOKED, None, "revoked while queued (revoke_queued)")
     return mark.holder.task_id
 
 
@@ -259,4 +292,4 @@ def end_mark_of_attempt(
         return None
     if mark is None or mark.holder.task_id != task_id:
         return None
-    return _end(lock, mark, outcome, None, details)
+    return release_mark(lock, mark, outcome, None, details)

@@ -9,6 +9,8 @@ Facts of Celery 5.7 these rest on (measured):
 - ``revoke(terminate=True)`` fires ``task_revoked`` in the parent right after it signals the
   child, which may still be dying: the release then waits (off the worker's main thread)
   until the holder is gone, a few seconds at most, before it gives up to the janitor.
+- No signal fires when a worker is told to revoke a queued task: the ``revoke`` control
+  command is wrapped instead (:mod:`celery_dlock.celery.revoking`).
 - Handlers tolerate firing twice: a release by a stale token changes nothing.
 """
 
@@ -23,6 +25,7 @@ from billiard.exceptions import WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
+from celery_dlock.celery import revoking
 from celery_dlock.celery.dedupe import end_mark_of_attempt
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import DLockError
@@ -53,6 +56,7 @@ def connect() -> None:
         celery_signals.task_revoked.connect(_task_revoked, weak=False)
         celery_signals.worker_process_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(_shutting_down, weak=False)
+        celery_signals.worker_init.connect(revoking.install, weak=False)
         _connected.set()
 
 

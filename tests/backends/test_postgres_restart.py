@@ -115,13 +115,14 @@ def server_up(url: str) -> bool:
     return True
 
 
-def restart_server() -> tuple[float, float, float]:
-    """Restart the server; (before, its new start, after) on the wall clock."""
+def restart_server(command: str = RESTART) -> tuple[float, float, float]:
+    """Restart the server (``RESTART``, or ``command``); (before, its new start, after) on
+    the wall clock."""
     from tests.backends.stores.postgres import SERVER_URL, admin_connection
     from tests.support import eventually  # not at the top: this file is also a script
 
     before = time.time()
-    subprocess.run(shlex.split(RESTART), check=True, capture_output=True, timeout=120)
+    subprocess.run(shlex.split(command), check=True, capture_output=True, timeout=120)
     eventually(lambda: server_up(SERVER_URL), "the server back")
     after = time.time()
     admin = admin_connection()

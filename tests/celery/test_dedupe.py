@@ -1,8 +1,9 @@
 """Enqueue-time de-duplication (``dedupe``) with a real prefork worker on a Redis broker, on
 the Postgres and file lock stores: what a duplicate ``apply_async`` gets, and every way a
-mark ends (started, finished, failed, retried, revoked while queued, expired, a send that
-fails, a child that dies), each recorded in the history of the mark's key; what is not
-guarded at enqueue (``send_task``) is still guarded by the body lock."""
+mark ends (started, finished, failed, retried, revoked while queued: by a plain revoke or
+``revoke_queued``, both at once; expired, a send that fails, a child that dies), each
+recorded in the history of the mark's key; what is not guarded at enqueue (``send_task``)
+is still guarded by the body lock."""
 
 from __future__ import annotations
 
@@ -11,15 +12,23 @@ import pickle
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
 import pytest
 from celery import chain, group
 
-from celery_dlock import DuplicateTaskError, Outcome
+from celery_dlock import BackendError, DuplicateTaskError, Outcome, backend_from_url
 from celery_dlock.records import Record
-from tests.celery.prefork import HERE, Worker, assert_never_overlapping, bodies
+from tests.celery.prefork import (
+    BROKER_DB,
+    HERE,
+    RESULTS_DB,
+    Worker,
+    assert_never_overlapping,
+    bodies,
+)
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -119,16 +128,34 @@ def test_a_retry_is_the_same_logical_task_and_keeps_the_mark(worker: Worker) -> 
     assert attempts == [0, 1], (mine, worker.history(f"job:report:{who}"))
 
 
-def test_a_message_revoked_while_queued_releases_its_mark(worker: Worker) -> None:
+def test_a_plain_revoke_releases_the_mark_of_a_queued_message_at_once(worker: Worker) -> None:
     who = customer()
     sync = worker.tasks.sync
-    queued = sync.apply_async((who, 0), countdown=2)
+    queued = sync.apply_async((who, 0), countdown=60)  # the worker reaches it in a minute
     worker.app.control.revoke(queued.id)
     key = mark_of("w.sync", f"sync:{who}")
-    [record] = marks(worker, key, 1)  # when the worker reaches the message, not at revoke
+    # At once: long before the worker reaches the message (the wrapped revoke command).
+    [record] = eventually(lambda: worker.history(key), "the mark released", timeout=15)
     assert record.outcome is Outcome.REVOKED and record.lease.holder.task_id == queued.id
-    assert bodies(worker, f"job:sync:{who}") == []
-    assert sync.delay(who, 0).id != queued.id
+    assert "a revoke reached the worker" in (record.details or "")
+    assert worker.store.get(key) is None
+    again = sync.delay(who, 0)  # the next call sends again
+    assert again.id != queued.id
+    again.get(timeout=60)
+    assert [e for e in worker.events() if e["id"] == queued.id] == []
+
+
+def test_a_revoke_without_terminate_leaves_a_running_tasks_mark(worker: Worker) -> None:
+    who = customer()
+    report = worker.tasks.report
+    running = report.delay(who, 3.0)
+    started(worker, running.id)
+    worker.app.control.revoke(running.id)  # Celery lets a running task finish
+    assert report.delay(who, 0).id == running.id  # until_finished: still a duplicate
+    running.get(timeout=60)
+    key = mark_of("w.report", f"report:{who}")
+    [record] = marks(worker, key, 1)
+    assert record.outcome is Outcome.SUCCEEDED  # ended by the body, not by the revoke
 
 
 def test_revoke_queued_releases_the_mark_at_once_and_the_message_never_runs(
@@ -291,3 +318,126 @@ def test_a_producer_killed_between_mark_and_send_leaves_nothing_that_blocks_the_
     sent.get(timeout=60)
     first = worker.history(key)[0]
     assert first.outcome is Outcome.DISCONNECTED and first.lease.token == orphan.token
+
+
+def produce(env: dict[str, str], who: str, *, then: str, send_ttl: float = 60.0) -> str:
+    """Send ``w.sync(who, 0)`` (countdown 30 s) from a producer process of its own, which
+    then exits normally (``then="exit"``) or is SIGKILLed after its send (``"kill"``) or
+    before it (``"die-before-send"``); the task id it got, or "" if it died first."""
+    send = {
+        "exit": "print(workerapp.sync.apply_async((who, 0), countdown=30).id, flush=True)",
+        "kill": "print(workerapp.sync.apply_async((who, 0), countdown=30).id, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)",
+        "die-before-send": "dedupe.send(workerapp.sync, (who, 0), {}, {}, "
+        "lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL))",
+    }[then]
+    code = (
+        "import os, signal, sys\n"
+        "import workerapp\n"
+        "from celery_dlock.celery import dedupe\n"
+        f"dedupe.SEND_TTL = {send_ttl!r}\n"
+        f"who = {who!r}\n"
+        f"{send}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=HERE,
+        timeout=60,
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == (0 if then == "exit" else -signal.SIGKILL), done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("then", ["exit", "kill"])
+def test_a_producer_gone_after_its_send_leaves_the_mark_to_its_message(
+    worker: Worker, then: str
+) -> None:
+    """A script or a recycled web worker that sends and goes: the mark is the message's
+    now (handed over), not the producer's, so its duplicates still coalesce."""
+    who = customer()
+    first = produce(worker.env, who, then=then)
+    key = mark_of("w.sync", f"sync:{who}")
+    time.sleep(0.5)  # for the store to see the producer's session or process gone
+    assert worker.tasks.sync.delay(who, 0).id == first  # still a duplicate
+    mark = worker.store.get(key)
+    assert mark is not None and mark.holder.task_id == first
+    assert worker.history(key) == []  # not taken over, nothing ended
+    worker.app.control.revoke(first)
+    [record] = marks(worker, key, 1)
+    assert record.outcome is Outcome.REVOKED
+
+
+def test_on_redis_a_producer_killed_before_its_send_blocks_the_key_for_send_ttl_only(
+    tmp_path: Any, redis_url: str
+) -> None:
+    """Redis cannot tell that a producer died: its mark lives only as long as a send may
+    take (``SEND_TTL``, shortened here), not ``dedupe_ttl`` (an hour): celery-once and
+    celery-singleton keep such a key blocked until their own timeout."""
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DLOCK_TEST_")},
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
+        "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",
+        "DLOCK_TEST_LOCKS": f"{redis_url}/5",
+        "DLOCK_TEST_LEDGER": str(tmp_path / "ledger"),
+        "DLOCK_TEST_QUEUE": f"nowhere-{uuid.uuid4().hex[:8]}",  # no worker runs these
+    }
+    who = customer()
+    assert produce(env, who, then="die-before-send", send_ttl=2.0) == ""
+    store = backend_from_url(f"{redis_url}/5")
+    key = mark_of("w.sync", f"sync:{who}")
+    orphan = store.get(key)
+    assert orphan is not None and orphan.expires_at is not None
+    assert orphan.expires_at - orphan.acquired_at == pytest.approx(2.0, abs=0.1)
+    assert produce(env, who, then="exit") == orphan.holder.task_id  # blocked meanwhile
+    time.sleep(max(0.0, orphan.expires_at - time.time()) + 0.3)
+    sent = produce(env, who, then="exit")
+    assert sent not in ("", orphan.holder.task_id)  # sent, under a new mark
+    mark = store.get(key)
+    assert mark is not None and mark.holder.task_id == sent
+    assert mark.expires_at is not None and mark.expires_at - time.time() > 3000  # handed over
+    [record] = [r for r in store.history(key=key) if r.lease.token == orphan.token]
+    assert record.outcome is Outcome.EXPIRED
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_a_postgres_restart_keeps_the_marks_a_clean_one_can_keep(
+    worker: Worker, lock_url: str, mode: str
+) -> None:
+    """A clean restart (``-m fast``) keeps the locks table, and a mark handed over to its
+    message lives by its ttl: duplicates still coalesce. A crash (``-m immediate``) empties
+    the UNLOGGED locks table: a duplicate is sent, and the body lock still keeps the two
+    runs apart."""
+    if not lock_url.startswith("postgres"):
+        pytest.skip("a Postgres restart")
+    from tests.backends.test_postgres_restart import RESTART, ensure_server_up, restart_server
+
+    if not RESTART:
+        pytest.skip("DLOCK_PG_RESTART is empty: no restart command")
+    who = customer()
+    sync = worker.tasks.sync
+    queued = sync.apply_async((who, 0.5), countdown=6)
+    try:
+        restart_server(RESTART.replace("-m fast", f"-m {mode}"))
+    finally:
+        ensure_server_up()
+    again = eventually(lambda: _sent_or_none(sync, who, 0.5), "a send after the restart")
+    results = [queued] if mode == "fast" else [queued, again]
+    assert (again.id == queued.id) is (mode == "fast")
+    for result in results:
+        result.get(timeout=60)
+    events = bodies(worker, f"job:sync:{who}")
+    assert len(events) == 2 * len(results)
+    assert_never_overlapping(events)
+
+
+def _sent_or_none(task: Any, *args: Any) -> Any:
+    """``task.delay(*args)``, or None while the lock store refuses (the server is starting)."""
+    try:
+        return task.delay(*args)
+    except BackendError:
+        return None

@@ -1,6 +1,7 @@
-"""Hold a lock until killed: ``python hold.py URL KEY [TTL]``.
+"""Hold a lock until killed: ``python hold.py URL KEY [TTL [HAND_OVER_TTL]]``.
 
-Prints the lease as one JSON line once it is held, then sleeps. Tests SIGKILL it.
+Prints the lease as one JSON line once it is held (handed over to live by
+``HAND_OVER_TTL`` alone, if given: ``LockBackend.hand_over``), then sleeps. Tests SIGKILL it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from celery_dlock.records import Holder
 
 def main() -> None:
     url, key = sys.argv[1], sys.argv[2]
-    ttl = float(sys.argv[3]) if len(sys.argv) > 3 else None
+    ttl = float(sys.argv[3]) if len(sys.argv) > 3 and sys.argv[3] != "-" else None
+    hand_over = float(sys.argv[4]) if len(sys.argv) > 4 else None
     backend = backend_from_url(url)
     lease = backend.try_acquire(key, Holder.current(task_name="tests.hold"), ttl)
     if lease is None:
         print(json.dumps(None), flush=True)
         sys.exit(3)
+    if hand_over is not None:
+        lease = backend.hand_over(lease, hand_over)
     print(json.dumps(lease.to_dict()), flush=True)
     while True:
         time.sleep(60)

@@ -13,12 +13,13 @@ HOLD = Path(__file__).parent / "hold.py"
 
 
 def spawn_holder(
-    url: str, key: str, ttl: float | None = None
+    url: str, key: str, ttl: float | None = None, hand_over: float | None = None
 ) -> tuple[subprocess.Popen[str], Lease]:
-    """Start ``hold.py`` on ``url`` and return it with the lease it holds on ``key``."""
-    args = [sys.executable, str(HOLD), url, key]
-    if ttl is not None:
-        args.append(str(ttl))
+    """Start ``hold.py`` on ``url`` and return it with the lease it holds on ``key``
+    (handed over to live by ``hand_over`` seconds alone, if given)."""
+    args = [sys.executable, str(HOLD), url, key, "-" if ttl is None else str(ttl)]
+    if hand_over is not None:
+        args.append(str(hand_over))
     process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()

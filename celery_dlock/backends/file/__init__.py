@@ -39,6 +39,7 @@ Install
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import json
@@ -54,6 +55,7 @@ from celery_dlock.backends.base import (
     LockBackend,
     Place,
     WallClock,
+    hand_over_ttl,
     remembered,
     success_task,
     validate_ttl,
@@ -237,6 +239,22 @@ class FileBackend(LockBackend):
             )
             state.write(state.fence, renewed)
             return renewed
+
+    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+        """Keep ``lease`` alive by its ttl alone: its holder no longer names a process that
+        could be judged gone (an empty host id), so it outlives this one."""
+        seconds = hand_over_ttl(ttl)
+        with self._locked(lease.key) as state:
+            current, now = self._ours(state, lease)
+            if current is None:
+                return None
+            holder = dataclasses.replace(current.holder, host_id="")
+            handed = Lease(
+                current.key, current.token, current.fence, holder, current.acquired_at,
+                expiry(now, seconds),
+            )  # fmt: skip
+            state.write(state.fence, handed)
+            return handed
 
     def get(self, key: str) -> Lease | None:
         with self._locked(key, fcntl.LOCK_SH) as state:

@@ -71,6 +71,7 @@ from celery_dlock.backends.base import (
     Capabilities,
     LockBackend,
     Place,
+    hand_over_ttl,
     remembered,
     success_task,
     validate_ttl,
@@ -324,6 +325,28 @@ class PostgresBackend(LockBackend):
                     row = session.one(self._sql.renew, params)
             except SessionEnded:
                 return None  # whatever landed, the lease died with the session
+        if row is None:
+            return None
+        return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
+
+    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+        """Keep ``lease`` alive by its ttl alone: its row no longer names a session and this
+        session lets go of its advisory lock, so the lease outlives this process."""
+        seconds = hand_over_ttl(ttl)
+        params = {"key": lease.key, "token": lease.token, "ttl": seconds}
+        client = self._clients.get()
+        with client.mutex:
+            if lease.fence in client.lost:
+                return None
+            try:
+                with using_session(client, self.url, "hand_over") as session:
+                    params["unlock"] = unlock = lease.fence in session.held
+                    row = session.one(self._sql.hand_over, params)
+                    if row is None and unlock:  # not ours any more, but its lock still is
+                        session.one(self._sql.unlock, {"fence": lease.fence})
+            except SessionEnded:
+                return None  # the lease died with the session
+            session.held.pop(lease.fence, None)
         if row is None:
             return None
         return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])

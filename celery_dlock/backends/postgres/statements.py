@@ -56,6 +56,11 @@ class _Keys:
         return f"EXISTS ({self.held(f' AND p.objid = ({fence} & 4294967295)::oid')})"
 
 
+#: ``backend_pid`` of a lease handed over (``hand_over``): alive by its ttl alone, no
+#: session stands for it (no server process has pid 0).
+HANDED_OVER = 0
+
+
 def _epoch(column: str) -> str:
     # Exact: numeric seconds with six decimals, rounded once to the nearest float8.
     return f"extract(epoch FROM {column})::float8"
@@ -128,6 +133,15 @@ class Statements:
             f"SELECT pg_advisory_unlock({keys.of('%(fence)s::int8')})"
         )
         self._recording(n)
+        self.hand_over = (
+            "-- hand_over: key, token, ttl | (acquired_at, expires_at, advisory lock let go) "
+            "of the lease, alive by its ttl alone from now on; no row when not ours or expired\n"
+            f"UPDATE {n.locks} SET expires_at = {_TTL}, backend_pid = {HANDED_OVER} "
+            "WHERE key = %(key)s AND token = %(token)s "
+            "AND (expires_at IS NULL OR expires_at > clock_timestamp()) "
+            f"RETURNING {_epoch('acquired_at')}, {_epoch('expires_at')}, "
+            f"CASE WHEN %(unlock)s THEN pg_advisory_unlock({keys.of('fence')}) END"
+        )
         self.renew = (
             "-- renew: key, token, ttl | (acquired_at, expires_at); no row when not ours or "
             "expired\n"
@@ -197,7 +211,8 @@ class Statements:
             "cur AS MATERIALIZED (\n"
             "  SELECT l.*, CASE WHEN l.token = %(replace)s THEN 'retried' "
             "WHEN l.expires_at <= clock_timestamp() THEN 'expired' "
-            f"WHEN NOT {keys.live('l.fence')} THEN 'disconnected' END AS ended\n"
+            f"WHEN l.backend_pid <> {HANDED_OVER} AND NOT {keys.live('l.fence')} "
+            "THEN 'disconnected' END AS ended\n"
             f"  FROM grant_, {n.locks} AS l WHERE l.key = %(key)s),\n"
             "taken AS (\n"
             f"  UPDATE {n.locks} AS l SET token = %(token)s, fence = nextval('{n.fence}'), "
@@ -367,7 +382,8 @@ class Statements:
             "  SELECT l.key, l.token, CASE WHEN l.expires_at <= now() THEN 'expired' "
             "ELSE 'disconnected' END AS outcome\n"
             f"  FROM {n.locks} AS l WHERE l.expires_at <= now() "
-            "OR NOT EXISTS (SELECT FROM live WHERE live.low = l.fence & 4294967295)\n"
+            f"OR (l.backend_pid <> {HANDED_OVER} "
+            "AND NOT EXISTS (SELECT FROM live WHERE live.low = l.fence & 4294967295))\n"
             "  ORDER BY l.fence LIMIT %(limit)s FOR UPDATE SKIP LOCKED),\n"
             "gone AS (\n"
             f"  DELETE FROM {n.locks} AS l USING dead WHERE l.key = dead.key "
@@ -419,8 +435,12 @@ class Statements:
             "statement_timestamp()) * 1000, ceil(extract(epoch FROM l.expires_at - "
             "clock_timestamp()) * 1000)))::int8::text"
         )
+        # A lease handed over has no session to wait on: a short nap, then the caller
+        # tries again (polling, for the rare waiter on a dedupe mark).
         on_holder = (
             "SELECT CASE WHEN l.expires_at <= clock_timestamp() THEN 'expired' "
+            f"WHEN l.backend_pid = {HANDED_OVER} THEN (SELECT 'polled' FROM pg_sleep("
+            "least(%(ms)s / 1000.0, 0.05 + random() * 0.05))) "
             f"WHEN set_config('lock_timeout', {remaining}, true) IS NULL THEN NULL "
             f"WHEN (SELECT true FROM pg_advisory_xact_lock_shared({self.keys.of('l.fence')})) "
             f"IS NULL THEN NULL ELSE 'released' END FROM {n.locks} AS l WHERE l.key = %(key)s"

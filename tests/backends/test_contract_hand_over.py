@@ -1,0 +1,78 @@
+"""The contract of ``LockBackend.hand_over`` on every store: a lease handed over lives by
+its ttl alone, whatever becomes of the process that took it (a dedupe mark is held on
+behalf of a queued message, not of the producer that sent it)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_dlock.records import Outcome
+from tests.backends.storecase import StoreCase
+from tests.backends.test_contract import expire, holder, needs_processes, short_ttl
+from tests.support import eventually
+from tests.support.holders import kill, spawn_holder
+
+#: Long enough that nothing in the test outlives it by accident.
+HANDED_TTL = 3600.0
+
+
+def test_a_lease_handed_over_outlives_its_killed_process_until_its_ttl(
+    store: StoreCase,
+) -> None:
+    url = needs_processes(store)
+    backend = store.backend
+    process, handed = spawn_holder(url, "job:handed", None, hand_over=HANDED_TTL)
+    kill(process)  # its lock session, its pid: gone
+    time.sleep(0.5)  # for the server to see the session end
+    assert backend.try_acquire("job:handed", holder(), None) is None
+    assert backend.reap() == []  # the janitor leaves it alone: not expired
+    held = backend.get("job:handed")
+    assert held is not None and held.token == handed.token and held.fence == handed.fence
+    place = backend.wait("job:handed", 0.2)  # no session to wait on: returns, no error
+    try:
+        assert backend.try_acquire("job:handed", holder(), None, place=place) is None
+    finally:
+        if place is not None:
+            place.leave()
+    shortened = backend.renew(handed, short_ttl(store))  # by token, from another process
+    assert shortened is not None
+    expire(store, shortened)
+    taken = eventually(lambda: backend.try_acquire("job:handed", holder(), None), "takeover")
+    assert taken.fence > handed.fence
+    [record] = [r for r in backend.history(key="job:handed") if r.lease.token == handed.token]
+    assert record.outcome is Outcome.EXPIRED
+
+
+def test_a_lease_handed_over_is_released_by_its_token(store: StoreCase) -> None:
+    backend = store.backend
+    lease = backend.try_acquire("job:handed-release", holder(), None)
+    assert lease is not None
+    handed = backend.hand_over(lease, HANDED_TTL)
+    assert handed is not None and handed.token == lease.token and handed.fence == lease.fence
+    assert handed.expires_at is not None
+    assert HANDED_TTL - 60 < handed.expires_at - time.time() < HANDED_TTL + 60
+    record = backend.release(lease, Outcome.DEQUEUED, None, "started")
+    assert record is not None and record.outcome is Outcome.DEQUEUED
+    assert backend.get("job:handed-release") is None
+    again = backend.try_acquire("job:handed-release", holder(), None)
+    assert again is not None  # nothing of it stays behind
+
+
+def test_hand_over_of_a_lease_no_longer_ours_is_none(store: StoreCase) -> None:
+    backend = store.backend
+    lease = backend.try_acquire("job:handed-gone", holder(), None)
+    assert lease is not None
+    assert backend.release(lease, Outcome.SUCCEEDED) is not None
+    assert backend.hand_over(lease, HANDED_TTL) is None
+
+
+def test_hand_over_without_a_ttl_is_refused(store: StoreCase) -> None:
+    backend = store.backend
+    lease = backend.try_acquire("job:handed-no-ttl", holder(), None)
+    assert lease is not None
+    with pytest.raises(ValueError, match="hand_over needs a ttl"):
+        backend.hand_over(lease, None)  # type: ignore[arg-type]
+    held = backend.get("job:handed-no-ttl")
+    assert held is not None and held.expires_at is None  # unchanged
