@@ -7,11 +7,12 @@ expire, and the record written when a ``with`` block ends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from types import TracebackType
 from typing import Any, Final, Literal
@@ -34,6 +35,7 @@ from celery_dlock.records import (
     Lease,
     Outcome,
     Record,
+    check_metadata,
     describe_exception,
     new_token,
 )
@@ -91,6 +93,8 @@ class Lock:
         limit: at most this many holders at once (a semaphore): each holds one of
             ``limit`` slots, the keys ``key#0`` .. ``key#<limit-1>``, with a lease, token
             and fence of its own; slots are tried in a random order. 1: the key itself.
+        metadata: a JSON object (at most 4 KiB) stored with each lease and its record,
+            shown by ``leases`` and ``history``: who asked, an order's amount, a ticket.
 
     Attributes:
         success_retry: seconds :meth:`release` keeps trying to store a success with a
@@ -99,6 +103,7 @@ class Lock:
     Raises:
         LockKeyError: ``key`` is empty, too long or has control characters.
         ConfigurationError: bad ``ttl`` or ``wait``.
+        ValueError: ``metadata`` is not a JSON object of at most 4 KiB.
     """
 
     success_retry: float = 30.0
@@ -114,9 +119,11 @@ class Lock:
         renew: bool | None = None,
         on_lost: Callable[[Lease], None] | None = None,
         limit: int = 1,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.backend = shared_backend(backend) if isinstance(backend, str) else backend
         self.key = validate_key(key)
+        self.metadata = check_metadata(metadata)
         self.limit = validate_limit(limit)
         #: The keys a holder may take: the key itself, or its ``limit`` slots.
         self.slots: tuple[str, ...] = (
@@ -133,6 +140,14 @@ class Lock:
         self._renewer: Renewer | None = None
         self._unwatch: Callable[[], None] | None = None
         self._session_ended = False  # set by the backend's watcher thread
+
+    def _holder(self) -> Holder:
+        """Who takes the next lease: ``holder``, or this process with a fresh nonce; with
+        this lock's ``metadata``."""
+        holder = self.holder or Holder.current()
+        if self.metadata is None:
+            return holder
+        return dataclasses.replace(holder, metadata=self.metadata)
 
     @property
     def lease(self) -> Lease | None:
@@ -168,7 +183,7 @@ class Lock:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
         limit = self.wait if wait is DEFAULT else validate_wait(wait)
         deadline = None if limit is None else time.monotonic() + limit
-        holder = self.holder or Holder.current()
+        holder = self._holder()
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
         try:
             while True:
@@ -213,7 +228,7 @@ class Lock:
         held, or None (then :meth:`current` tells who holds the key)."""
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
-        lease = self._try(self.holder or Holder.current(), None, None)
+        lease = self._try(self._holder(), None, None)
         if lease is not None:
             self._held(lease)
         return lease
@@ -393,7 +408,7 @@ class Lock:
         """Record an attempt that ran nothing under this key (a busy key skipped): a
         ``skipped`` record of a lease with fence 0 and a token of its own."""
         now = time.time()
-        who = holder or self.holder or Holder.current()
+        who = holder or self._holder()
         lease = Lease(self.key, new_token(), 0, who, now)
         record = Record(lease, now, Outcome.SKIPPED, problem, details)
         self.backend.add_record(record)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
@@ -34,7 +34,7 @@ class Locks:
     Args:
         backend: a :class:`LockBackend`, or a URL.
         keys: the full keys (duplicates count once).
-        ttl, wait, holder, renew, on_lost: as for :class:`Lock`, for every key.
+        ttl, wait, holder, renew, on_lost, metadata: as for :class:`Lock`, for every key.
 
     Raises:
         LockKeyError: a key is empty, too long or has control characters.
@@ -51,6 +51,7 @@ class Locks:
         holder: Holder | None = None,
         renew: bool | None = None,
         on_lost: Callable[[Lease], None] | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> None:
         self.backend = shared_backend(backend) if isinstance(backend, str) else backend
         self.keys = tuple(sorted({validate_key(key) for key in keys}))
@@ -61,7 +62,16 @@ class Locks:
         self.wait = validate_wait(wait)
         self.holder = holder
         self.locks = tuple(
-            Lock(self.backend, key, ttl, 0, holder=holder, renew=renew, on_lost=on_lost)
+            Lock(
+                self.backend,
+                key,
+                ttl,
+                0,
+                holder=holder,
+                renew=renew,
+                on_lost=on_lost,
+                metadata=metadata,
+            )
             for key in self.keys
         )
 

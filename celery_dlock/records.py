@@ -8,20 +8,24 @@ change here.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import traceback
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
 from typing import Any
 
 __all__ = [
     "DETAILS_LIMIT",
+    "METADATA_LIMIT",
     "Holder",
     "Lease",
     "Outcome",
     "Record",
+    "check_metadata",
     "describe_exception",
     "new_token",
     "truncate_utf8",
@@ -118,6 +122,7 @@ class Holder:
     worker: str | None = None
     task_id: str | None = None
     task_name: str | None = None
+    metadata: dict[str, Any] | None = field(default=None, hash=False)
 
     @classmethod
     def current(
@@ -126,8 +131,14 @@ class Holder:
         worker: str | None = None,
         task_id: str | None = None,
         task_name: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Holder:
-        """The holder for this process, with a fresh nonce."""
+        """The holder for this process, with a fresh nonce.
+
+        Raises:
+            ValueError: ``metadata`` is not a JSON object of at most ``METADATA_LIMIT``
+                bytes.
+        """
         pid = os.getpid()
         host, started, host_id = _identity(pid)
         return cls(
@@ -139,6 +150,7 @@ class Holder:
             worker=worker,
             task_id=task_id,
             task_name=task_name,
+            metadata=check_metadata(metadata),
         )
 
     def is_gone(self) -> bool:
@@ -176,11 +188,39 @@ class Holder:
             "worker": self.worker,
             "task_id": self.task_id,
             "task_name": self.task_name,
-        }
+        } | ({} if self.metadata is None else {"metadata": self.metadata})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Holder:
         return cls(**data)
+
+
+#: Bytes of compact JSON a lease's metadata may take: it is stored with every lease and
+#: record, and read by every ``leases`` and ``history``.
+METADATA_LIMIT = 4096
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``metadata`` as a plain dict, checked: a JSON object with string keys (no NaN or
+    infinity) of at most ``METADATA_LIMIT`` bytes; a ValueError naming the problem
+    otherwise."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"lock metadata must be a dict, not {type(metadata).__name__}")
+    if not all(isinstance(name, str) for name in metadata):
+        raise ValueError(f"lock metadata keys must be strings: {list(metadata)!r}")
+    try:
+        text = json.dumps(dict(metadata), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"lock metadata must be JSON: {exc}") from None
+    size = len(text.encode())
+    if size > METADATA_LIMIT:
+        raise ValueError(
+            f"lock metadata is {size} bytes of JSON, past the limit of {METADATA_LIMIT}"
+        )
+    loaded: dict[str, Any] = json.loads(text)  # a copy: later changes by the caller stay out
+    return loaded
 
 
 @lru_cache(maxsize=4)
@@ -215,6 +255,11 @@ class Lease:
     holder: Holder
     acquired_at: float
     expires_at: float | None = None
+
+    @property
+    def metadata(self) -> dict[str, Any] | None:
+        """What the holder said about this hold (``Lock(..., metadata=...)``), or None."""
+        return self.holder.metadata
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -321,3 +321,41 @@ def test_a_process_that_ends_normally_releases_what_it_holds(tmp_path: Path) -> 
         [record] = store.history(key="job:exit")
         assert record.outcome is Outcome.ABANDONED
         assert record.details == "was still held when the process ended"
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metadata", "problem"),
+    [
+        (["a"], "must be a dict, not list"),
+        ({1: "a"}, "keys must be strings"),
+        ({"a": object()}, "must be JSON"),
+        ({"a": float("nan")}, "must be JSON"),
+        ({"a": "x" * 4096}, "past the limit of 4096"),
+    ],
+)
+def test_bad_metadata_is_refused_with_the_problem_named(metadata: Any, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        Lock(MemoryBackend(), "job:meta", metadata=metadata)
+
+
+def test_metadata_up_to_the_limit_is_kept_as_a_copy() -> None:
+    backend = MemoryBackend()
+    metadata = {"a": "x" * (4096 - len('{"a":""}'))}  # exactly 4096 bytes of JSON
+    lock = Lock(backend, "job:meta", metadata=metadata)
+    metadata["a"] = "changed"  # later changes by the caller do not reach the lease
+    with lock as lease:
+        assert lease.metadata is not None and len(lease.metadata["a"]) == 4088
+    [record] = backend.history(key="job:meta")
+    assert record.lease.metadata == lease.metadata
+
+
+def test_locks_and_lock_pass_metadata_to_every_key() -> None:
+    backend = MemoryBackend()
+    with celery_dlock.lock(["job:a", "job:b"], backend, metadata={"transfer": 7}) as leases:
+        assert [lease.metadata for lease in leases] == [{"transfer": 7}] * 2
+    records = backend.history()
+    assert sorted(r.key for r in records) == ["job:a", "job:b"]
+    assert all(r.lease.metadata == {"transfer": 7} for r in records)

@@ -51,6 +51,11 @@ def check_options(cls: Any, name: str, *, several: bool = False) -> None:
             raise ConfigurationError(
                 f"on_duplicate must be 'return', 'raise' or a callable, not {cls.on_duplicate!r}"
             )
+        if cls.lock_metadata is not None and not callable(cls.lock_metadata):
+            raise ConfigurationError(
+                "lock_metadata must be a callable of the task's arguments giving a dict, "
+                f"not {cls.lock_metadata!r}"
+            )
         if cls.dedupe_ttl is not None:
             validate_ttl(cls.dedupe_ttl)
         for option in ("lock_retry_backoff", "lock_retry_backoff_max"):

@@ -90,6 +90,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     #: A duplicate ``apply_async``: "return" the queued task's AsyncResult, "raise"
     #: DuplicateTaskError, or a callable ``(task, mark key, queued task id)``.
     on_duplicate: ClassVar[Any] = "return"
+    #: A callable of the task's arguments giving the lease's metadata (a JSON object of at
+    #: most 4 KiB, shown by ``leases`` and ``history``), or None.
+    lock_metadata: ClassVar[Callable[..., Any] | None] = None
     #: Seconds a dedupe mark lives past its message's countdown; None: ``dlock_dedupe_ttl``.
     dedupe_ttl: ClassVar[float | None] = None
     throws = (LockNotAcquiredError,)
@@ -202,6 +205,20 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             return [f"{namespace}:{bodies[0]}" if namespace else bodies[0]]
         return sorted({f"{namespace}:{body}" if namespace else body for body in bodies})
 
+    def _metadata_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # From the class, not the instance: a function set there is not bound to the task.
+        make = type(self).lock_metadata
+        if make is None:
+            return None
+        if isinstance(make, staticmethod):
+            make = make.__func__
+        try:
+            return make(*args, **kwargs)
+        except Exception as exc:
+            raise ConfigurationError(
+                f"task {self.name}: lock_metadata failed ({type(exc).__name__}: {exc})"
+            ) from exc
+
     # -- sending -------------------------------------------------------------------------
 
     def apply_async(
@@ -257,6 +274,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             worker=getattr(request, "hostname", None),
             task_id=getattr(request, "id", None),
             task_name=self.name,
+            metadata=self._metadata_for(args, kwargs),
         )
         task_thread = threading.get_ident()
         on_lost = functools.partial(self._lease_lost, task_thread=task_thread)

@@ -29,6 +29,7 @@ from celery_dlock.cli.render import (
     local_time,
     record_json,
     table,
+    with_metadata,
 )
 from celery_dlock.keys import validate_key
 from celery_dlock.reap import reap as janitor_reap
@@ -108,7 +109,7 @@ def leases(env: Env, prefix: str | None, all_keys: bool, as_json: bool) -> None:
         ]
         for lease in found
     ]
-    env.echo(table(("key", "holder", "age", "fence", "expires"), rows))
+    env.echo(table(*with_metadata(("key", "holder", "age", "fence", "expires"), rows, found)))
 
 
 # -- history --------------------------------------------------------------------------------
@@ -193,7 +194,8 @@ def history(
         for record in records
     ]
     headers = ("released", "key", "outcome", "problem", "fence", "holder", "duration")
-    lines = table(headers, rows).split("\n")
+    held = [record.lease for record in records]
+    lines = table(*with_metadata(headers, rows, held)).split("\n")
     if not details:
         env.echo("\n".join(lines))
         return

@@ -3,6 +3,7 @@ tables, the JSON form of leases and records, and the ``--since``/duration parame
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ __all__ = [
     "local_time",
     "record_json",
     "table",
+    "with_metadata",
 ]
 
 if TYPE_CHECKING:
@@ -149,11 +151,33 @@ def holder_text(lease: Lease) -> str:
     return f"{text} [gone]" if lease.holder.is_gone() else text
 
 
+#: Characters of a lease's metadata shown in a table cell (``--json`` has all of it).
+METADATA_CELL = 60
+
+
+def with_metadata(
+    headers: Sequence[str], rows: list[list[str]], leases: Sequence[Lease]
+) -> tuple[Sequence[str], list[list[str]]]:
+    """``headers`` and ``rows`` with a ``metadata`` column if any of ``leases`` has some."""
+    if all(lease.metadata is None for lease in leases):
+        return headers, rows
+    cells = [
+        "-" if lease.metadata is None else _clip(json.dumps(lease.metadata, sort_keys=True))
+        for lease in leases
+    ]
+    return (*headers, "metadata"), [[*row, cell] for row, cell in zip(rows, cells, strict=True)]
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= METADATA_CELL else text[: METADATA_CELL - 1] + "…"
+
+
 def lease_json(lease: Lease, now: float) -> dict[str, Any]:
     """``Lease.to_dict()`` plus ``holder_text``, ``holder_gone``, ``acquired``, ``age``,
-    ``expires_in`` (seconds, None for no expiry) and ``expired``."""
+    ``expires_in`` (seconds, None for no expiry), ``expired`` and ``metadata``."""
     data = lease.to_dict()
     data.update(
+        metadata=lease.metadata,
         holder_text=lease.holder.describe(),
         holder_gone=lease.holder.is_gone(),
         acquired=iso_time(lease.acquired_at),
@@ -166,9 +190,10 @@ def lease_json(lease: Lease, now: float) -> dict[str, Any]:
 
 def record_json(record: Record) -> dict[str, Any]:
     """``Record.to_dict()`` plus ``key``, ``fence``, ``holder_text``, ``released`` (ISO,
-    local offset) and ``duration`` (seconds held)."""
+    local offset), ``duration`` (seconds held) and ``metadata``."""
     data = record.to_dict()
     data.update(
+        metadata=record.lease.metadata,
         key=record.key,
         fence=record.fence,
         holder_text=record.lease.holder.describe(),

@@ -187,3 +187,23 @@ def test_opposite_sets_never_deadlock_and_never_overlap(store: StoreCase) -> Non
     assert len(intervals) == 20
     ordered = sorted(intervals)
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(ordered))
+
+
+def test_metadata_is_stored_with_the_lease_and_its_record(store: StoreCase) -> None:
+    metadata = {"order": 42, "amount": "19.99", "by": "ops@example.com", "tags": ["éu", None]}
+    lock = Lock(store.backend, "job:meta:42", metadata=metadata)
+    lease = lock.acquire()
+    assert lease.metadata == metadata
+    seen = store.second()  # another client reads what the store kept
+    current = seen.get("job:meta:42")
+    assert current is not None and current.metadata == metadata
+    [listed] = [found for found in seen.leases("job:meta:") if found.token == lease.token]
+    assert listed.metadata == metadata
+    lock.release()
+    [record] = seen.history(key="job:meta:42")
+    assert record.lease.metadata == metadata and record.outcome is Outcome.SUCCEEDED
+    plain = Lock(store.backend, "job:meta:plain")
+    plain.acquire()
+    held = seen.get("job:meta:plain")
+    assert held is not None and held.metadata is None
+    plain.release()

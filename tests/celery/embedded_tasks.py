@@ -192,3 +192,20 @@ def patient(self: Any, run: str) -> str:
 def impatient(self: Any, run: str) -> str:
     note(self, run)
     return "ran"
+
+
+def _about_the_charge(run: str, amount: int, currency: str = "EUR") -> dict[str, Any]:
+    return {"amount": amount, "currency": currency}
+
+
+@shared_task(
+    base=LockedTask,
+    bind=True,
+    name="t.charge_described",
+    lock_key="order:{run}",
+    lock_metadata=_about_the_charge,
+)
+def charge_described(self: Any, run: str, amount: int, currency: str = "EUR") -> Any:
+    lease = self.lease
+    note(self, run, metadata=None if lease is None else lease.metadata)
+    return amount

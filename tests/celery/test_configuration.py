@@ -18,12 +18,17 @@ from celery_dlock import (
 from celery_dlock.celery.settings import settings
 
 
-def test_bad_placeholder_names_task_and_placeholder(celery_session_app: Any) -> None:
+@pytest.fixture
+def lazy_app() -> Celery:
+    """An app of this test's own: a task whose definition fails stays pending in its app,
+    and would fail again when a shared app is finalized by a later test."""
+    return Celery(f"cfg-{uuid.uuid4().hex[:6]}", set_as_current=False)
+
+
+def test_bad_placeholder_names_task_and_placeholder(lazy_app: Celery) -> None:
     with pytest.raises(LockKeyError) as info:
 
-        @celery_session_app.task(
-            base=LockedTask, name="shop.charge", lock_key="order:{order}", shared=False
-        )
+        @lazy_app.task(base=LockedTask, name="shop.charge", lock_key="order:{order}", shared=False)
         def charge(order_id: int) -> None:
             pass
 
@@ -31,8 +36,8 @@ def test_bad_placeholder_names_task_and_placeholder(celery_session_app: Any) -> 
     assert "shop.charge" in str(info.value) and "'order'" in str(info.value)
 
 
-def test_bound_task_signature_skips_self(celery_session_app: Any) -> None:
-    @celery_session_app.task(
+def test_bound_task_signature_skips_self(lazy_app: Celery) -> None:
+    @lazy_app.task(
         base=LockedTask, bind=True, name="shop.bound", lock_key="o:<order_id>", shared=False
     )
     def bound(self: Any, order_id: int) -> None:
@@ -55,16 +60,17 @@ def test_bound_task_signature_skips_self(celery_session_app: Any) -> None:
         ({"lock_key": "o:{order_id}", "dedupe": "until_started", "dedupe_ttl": -1}, "ttl"),
         ({"lock_key": ["a:{order_id}", "b:{order_id}"], "once": True}, "all or none"),
         ({"lock_key": ["a:{order_id}", "b:{order_id}"], "lock_limit": 2}, "all or none"),
+        ({"lock_key": "o:{order_id}", "lock_metadata": {"a": 1}}, "lock_metadata must be a"),
         ({}, "no lock_key"),
     ],
 )
 def test_bad_options_fail_at_definition(
-    celery_session_app: Any, options: dict[str, Any], message: str
+    lazy_app: Celery, options: dict[str, Any], message: str
 ) -> None:
     name = f"shop.bad_{uuid.uuid4().hex[:6]}"
     with pytest.raises(ConfigurationError, match=message) as info:
 
-        @celery_session_app.task(base=LockedTask, name=name, shared=False, **options)
+        @lazy_app.task(base=LockedTask, name=name, shared=False, **options)
         def bad(order_id: int) -> None:
             pass
 

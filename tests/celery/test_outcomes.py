@@ -141,3 +141,15 @@ def test_store_failure_with_run_policy_runs_unlocked_and_says_so(
 def test_store_failure_in_a_direct_call_raises(app: Any, broken_store: None) -> None:
     with pytest.raises(BackendError):
         tasks.refund(new_run())
+
+
+@pytest.mark.usefixtures("app")
+def test_lock_metadata_of_the_tasks_arguments_is_stored_with_lease_and_record(
+    store: MemoryBackend,
+) -> None:
+    run = new_run()
+    assert tasks.charge_described.delay(run, 1999, currency="USD").get(timeout=10) == 1999
+    [seen] = tasks.SEEN[run]
+    assert seen["metadata"] == {"amount": 1999, "currency": "USD"}  # on the lease, in the body
+    [record] = store.history(key=f"job:order:{run}")
+    assert record.lease.metadata == {"amount": 1999, "currency": "USD"}

@@ -389,3 +389,35 @@ def test_every_command_prints_json_with_json(file_store: CliStore, command: list
     data = output_json(run_cli("--backend", file_store.url, *command, "--json"))
     assert isinstance(data, dict)
     assert data["backend"] == file_store.url
+
+
+# -- metadata ---------------------------------------------------------------------------------
+
+
+def test_leases_and_history_show_metadata_in_the_table_and_the_json(store: CliStore) -> None:
+    holder = Holder.current(task_name="tests.charge", metadata={"order": 42, "amount": "9.50"})
+    lease = store.backend.try_acquire("job:meta:42", holder, None)
+    assert lease is not None
+
+    table = run_cli("--backend", store.url, "leases")
+    assert table.returncode == 0, table.stderr
+    header, row = table.stdout.splitlines()
+    assert header.split()[-1] == "METADATA"
+    assert row.endswith('{"amount": "9.50", "order": 42}')
+    [entry] = output_json(run_cli("--backend", store.url, "leases", "--json"))["leases"]
+    assert entry["metadata"] == {"order": 42, "amount": "9.50"}
+
+    store.backend.release(lease, Outcome.SUCCEEDED)
+    history = run_cli("--backend", store.url, "history", "--key", "job:meta:42")
+    assert history.returncode == 0, history.stderr
+    header, row = history.stdout.splitlines()
+    assert header.split()[-1] == "METADATA" and row.endswith('"order": 42}')
+    data = output_json(run_cli("--backend", store.url, "history", "--json"))
+    [record] = [r for r in data["records"] if r["key"] == "job:meta:42"]
+    assert record["metadata"] == {"order": 42, "amount": "9.50"}
+
+
+def test_tables_without_metadata_have_no_metadata_column(store: CliStore) -> None:
+    hold(store, "job:plain")
+    header = run_cli("--backend", store.url, "leases").stdout.splitlines()[0]
+    assert "METADATA" not in header

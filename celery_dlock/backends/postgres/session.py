@@ -29,6 +29,7 @@ from psycopg.pq import ConnStatus
 
 from celery_dlock.backends.base import Place
 from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.functions import functions
 from celery_dlock.backends.postgres.prepared import PreparedStatements
 from celery_dlock.backends.postgres.sql import ddl
 from celery_dlock.errors import ConfigurationError
@@ -384,7 +385,7 @@ def migrate(config: Config) -> None:
                 conn.execute(f"SELECT pg_advisory_xact_lock({names.ddl_lock_key})")
                 row = conn.execute(statements.sequence_exists).fetchone()
                 fresh = row is not None and not row[0]
-                for statement in ddl(names):
+                for statement in [*ddl(names), *functions(statements)]:
                     conn.execute(statement)
                 if fresh:
                     # A sequence made now has handed out no fence that a crash could lose.
