@@ -38,12 +38,18 @@ from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __version__ = "0.1.0"
 
-#: Names that need Celery, imported on first use so that ``import celery_dlock`` does not.
-_CELERY_NAMES = {"LockedTask": "celery_dlock.celery", "install": "celery_dlock.celery"}
+#: Names imported on first use, so that ``import celery_dlock`` imports neither Celery nor
+#: asyncio.
+_LAZY_NAMES = {
+    "LockedTask": "celery_dlock.celery",
+    "install": "celery_dlock.celery",
+    "AsyncLock": "celery_dlock.aio",
+    "alock": "celery_dlock.aio",
+}
 
 
 def __getattr__(name: str) -> object:
-    module = _CELERY_NAMES.get(name)
+    module = _LAZY_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'celery_dlock' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -52,11 +58,12 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_CELERY_NAMES))
+    return sorted(set(globals()) | set(_LAZY_NAMES))
 
 
 __all__ = [
     "AlreadySucceededError",
+    "AsyncLock",
     "BackendError",
     "Capabilities",
     "ConfigurationError",
@@ -78,6 +85,7 @@ __all__ = [
     "Record",
     "UnknownBackendError",
     "__version__",
+    "alock",
     "backend_from_url",
     "install",
     "lock",

@@ -223,13 +223,20 @@ class Lock:
                 return lease
         return None
 
-    def attempt(self) -> Lease | None:
+    def attempt(self, place: Place | None = None) -> Lease | None:
         """One try, without waiting and without raising for a busy key: the lease, now
-        held, or None (then :meth:`current` tells who holds the key)."""
+        held, or None (then :meth:`current` tells who holds the key).
+
+        ``place`` is the caller's place in the store's queue of the key's waiters, from
+        ``backend.wait`` (for a caller that waits its own way, as :class:`AsyncLock` does):
+        used up when the lease is taken, left when another slot was taken instead.
+        """
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
-        lease = self._try(self._holder(), None, None)
+        lease = self._try(self._holder(), None, place)
         if lease is not None:
+            if place is not None and place.key != lease.key:
+                place.leave()
             self._held(lease)
         return lease
 

@@ -136,9 +136,15 @@ def abandon(token: str, why: str) -> Record | None:
 
 
 def _at_exit() -> None:
-    """A process that ends normally releases what it still holds, as abandoned."""
+    """A process that ends normally releases what it still holds, as abandoned, and closes
+    the backends it shared (their connections would otherwise be collected open)."""
     for token in held().tokens():
         abandon(token, "was still held when the process ended")
+    for backend in list(_shared.get().values()):
+        try:
+            backend.close()
+        except Exception as exc:
+            logger.debug("closing %s at exit: %s", backend.url, exc, extra=fields("close_failed"))
 
 
 atexit.register(_at_exit)

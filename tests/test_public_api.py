@@ -13,7 +13,7 @@ def test_all_names_exactly_the_public_api() -> None:
         if not name.startswith("_")
         and not isinstance(value, (types.ModuleType, __future__._Feature))
     }
-    assert set(celery_dlock.__all__) - {"__version__"} == public | set(celery_dlock._CELERY_NAMES)
+    assert set(celery_dlock.__all__) - {"__version__"} == public | set(celery_dlock._LAZY_NAMES)
     assert len(celery_dlock.__all__) == len(set(celery_dlock.__all__))
 
 

@@ -11,8 +11,9 @@ whatever becomes of the producer, so that a lost message never blocks the key fo
 queued task's ``AsyncResult`` (``on_duplicate``). The mark travels in a message header; the
 worker releases it by that lease's token, never by key alone:
 
-- ``until_started``: when a worker starts the task (recorded ``dequeued``): at most one
-  more run can queue behind a running one;
+- ``until_started``: when the task's body starts, holding its lock (recorded
+  ``dequeued``): at most one more run can queue behind a running one; a message re-queued
+  because the key was busy keeps its mark;
 - ``until_finished``: when the body ends, with the body's outcome; a retry (``self.retry``,
   or a re-queue for a busy body lock) is the same logical task and keeps the mark.
 
@@ -196,8 +197,7 @@ def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
     outcome; a Retry keeps it: the same logical task goes on)."""
     where = getattr(task.request, "hostname", None) or "a direct call"
     if task.dedupe == "until_started":
-        end_mark(task, mark, Outcome.DEQUEUED, f"started by {where}")
-        return run()
+        return _run_until_started(task, mark, run, where)
     ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
     try:
         return run()
@@ -210,6 +210,35 @@ def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
     finally:
         if ended is not None:
             end_mark(task, mark, *ended)
+
+
+def _run_until_started(task: Any, mark: Lease, run: Callable[[], Any], where: str) -> Any:
+    """``until_started``: the mark ends when the body starts, holding its lock (the task
+    calls ``request.dlock_on_held``), not when a worker picks the message up: a message
+    re-queued because its key was busy is still queued, and keeps the mark."""
+    started = False
+
+    def on_held() -> None:
+        nonlocal started
+        if not started:
+            started = True
+            end_mark(task, mark, Outcome.DEQUEUED, f"started by {where}")
+
+    task.request.dlock_on_held = on_held
+    try:
+        result = run()
+    except Retry:
+        raise  # re-queued for a busy key, or retried: the same logical task keeps its mark
+    except BaseException as exc:
+        if not started:
+            why = f"ended on {where} before its body started, by {type(exc).__name__}: {exc}"
+            end_mark(task, mark, outcome_of(exc), why)
+        raise
+    finally:
+        task.request.dlock_on_held = None
+    if not started:  # on_locked="skip" or a callable: the body never ran
+        end_mark(task, mark, Outcome.SKIPPED, f"its body did not run on {where}: the key was busy")
+    return result
 
 
 def mark_of(request: Any) -> Lease | None:

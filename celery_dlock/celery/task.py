@@ -310,13 +310,22 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                     exc,
                     extra=fields("ran_unlocked", key=lock.key, task_id=holder.task_id),
                 )
+                self._started(request)
                 return self.run(*args, **kwargs)
             return busy.requeue(self, exc, "the lock store failed")
         request.dlock_lock = lock
+        self._started(request)
         try:
             return self._body(lock, args, kwargs)
         finally:
             request.dlock_lock = None
+
+    @staticmethod
+    def _started(request: Any) -> None:
+        """The body is about to run: an ``until_started`` mark ends now (see dedupe)."""
+        on_held = getattr(request, "dlock_on_held", None)
+        if on_held is not None:
+            on_held()
 
     def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.once:

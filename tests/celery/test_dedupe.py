@@ -84,6 +84,28 @@ def test_until_started_sends_one_message_and_lets_one_queue_behind_a_running_one
     assert worker.store.get(key) is None
 
 
+def test_until_started_keeps_the_mark_of_a_message_re_queued_for_a_busy_key(
+    worker: Worker,
+) -> None:
+    """The second message is picked up while the first body runs: its key is busy, so it
+    goes back to the queue, still queued as far as its duplicates are concerned."""
+    who = customer()
+    sync = worker.tasks.sync
+    first = sync.delay(who, 2.0)
+    started(worker, first.id)
+    second = sync.delay(who, 0)
+    assert second.id != first.id
+    eventually(lambda: f"[{second.id}] re-queued" in worker.log.read_text(), "a busy re-queue")
+    assert sync.delay(who, 0).id == second.id  # still queued: a duplicate
+    first.get(timeout=60)
+    second.get(timeout=60)
+    key = mark_of("w.sync", f"sync:{who}")
+    records = marks(worker, key, 2)
+    assert [r.lease.holder.task_id for r in records] == [first.id, second.id]
+    assert [r.outcome for r in records] == [Outcome.DEQUEUED, Outcome.DEQUEUED]
+    assert len(bodies(worker, f"job:sync:{who}")) == 4  # two runs, not three
+
+
 def test_until_finished_holds_while_running_and_ends_with_the_bodys_outcome(
     worker: Worker,
 ) -> None:

@@ -1,0 +1,346 @@
+"""asyncio: :class:`AsyncLock` and :func:`alock`, the contract of :class:`Lock` from a
+coroutine::
+
+    async with celery_dlock.alock("job:123", backend=url, ttl=30, wait=5) as lease:
+        await work(fence=lease.fence)
+
+Every store call runs in a bounded pool of threads (``OFFLOAD_THREADS`` for tries, releases
+and renewals, ``WAIT_THREADS`` for waits), never on the event loop, in short steps: one try
+at the key, then a wait of at most ``SLICE`` seconds on the store's own push (Postgres's
+queue of waiters, Redis's wake-up list, inotify), then the next try. A cancelled waiter
+therefore lets go within one step, and nothing it was granted meanwhile stays held: a lease
+granted to a cancelled acquire is released (``revoked``), a place in a store's queue is
+left. Renewal is an asyncio task. The lease and its record are those of a :class:`Lock`, on
+the same stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from celery_dlock.backends.base import LockBackend, Place
+from celery_dlock.errors import ConfigurationError, DLockError, LockLostError
+from celery_dlock.events import fields
+from celery_dlock.lock import DEFAULT, Lock, _Default, validate_wait
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
+from celery_dlock.renewal import report_lost
+
+__all__ = ["OFFLOAD_THREADS", "SLICE", "WAIT_THREADS", "AsyncLock", "alock"]
+
+logger = logging.getLogger("celery_dlock.aio")
+
+#: Threads per process that run the short store calls of every AsyncLock (a try, a
+#: release, a renewal)...
+OFFLOAD_THREADS = 16
+#: ...and those that wait on the store for a busy key, apart: waits that block for up to
+#: ``SLICE`` never hold up a try or a release (more waiters than this queue for a thread).
+WAIT_THREADS = 64
+#: Longest wait on the store in one step: how long a cancelled waiter's thread may linger.
+SLICE = 0.5
+
+T = TypeVar("T")
+_pools: dict[tuple[int, str], concurrent.futures.ThreadPoolExecutor] = {}
+_pools_mutex = threading.Lock()
+_callbacks: set[asyncio.Future[Any]] = set()
+
+
+def _pool(kind: str = "calls") -> concurrent.futures.ThreadPoolExecutor:
+    """This process's offload pool of ``kind`` (``calls`` or ``waits``; a forked child
+    makes its own)."""
+    which = (os.getpid(), kind)
+    pool = _pools.get(which)
+    if pool is None:
+        size = WAIT_THREADS if kind == "waits" else OFFLOAD_THREADS
+        with _pools_mutex:
+            pool = _pools.setdefault(
+                which,
+                concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix=f"dlock-{kind}"),
+            )
+    return pool
+
+
+async def _off(
+    call: Callable[..., T],
+    *args: Any,
+    orphan: Callable[[Any], object] | None = None,
+    pool: str = "calls",
+) -> T:
+    """``call(*args)`` in the offload pool ``pool``. If the awaiting coroutine is cancelled
+    while it runs, what it returns (when not None) is handed to ``orphan``, in the pool."""
+    future = _pool(pool).submit(call, *args)
+    try:
+        return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:
+        if orphan is not None:
+            future.add_done_callback(lambda done: _adopt(done, orphan))
+        raise
+
+
+def _adopt(done: concurrent.futures.Future[Any], orphan: Callable[[Any], object]) -> None:
+    if done.cancelled() or done.exception() is not None:
+        return
+    result = done.result()
+    if result is not None:
+        _pool().submit(orphan, result)  # never on the event loop's thread
+
+
+class AsyncLock:
+    """A lock on one key of one backend, for coroutines: the arguments, leases, records
+    and errors of :class:`Lock`; ``on_lost`` may be a coroutine function (it then runs as
+    a task on the lock's loop)."""
+
+    def __init__(
+        self,
+        backend: LockBackend | str,
+        key: str,
+        ttl: float | None = None,
+        wait: float | None = 0,
+        *,
+        holder: Holder | None = None,
+        renew: bool | None = None,
+        on_lost: Callable[[Lease], Any] | None = None,
+        limit: int = 1,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._lock = Lock(
+            backend, key, ttl, wait,
+            holder=holder, renew=False, on_lost=self._lost_elsewhere, limit=limit,
+            metadata=metadata,
+        )  # fmt: skip
+        self.on_lost = on_lost
+        self.renew_in_background = self._lock.ttl is not None if renew is None else renew
+        self._renewal: asyncio.Task[None] | None = None
+        self._renewing: concurrent.futures.Future[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lost = False
+
+    @property
+    def backend(self) -> LockBackend:
+        return self._lock.backend
+
+    @property
+    def key(self) -> str:
+        return self._lock.key
+
+    @property
+    def ttl(self) -> float | None:
+        return self._lock.ttl
+
+    @property
+    def lease(self) -> Lease | None:
+        """The lease held now (the newest after renewals), or None."""
+        return self._lock.lease
+
+    @property
+    def lost(self) -> bool:
+        """True once renewal found the lease gone, or its holder's session ended."""
+        return self._lost or self._lock.lost
+
+    async def acquire(self, wait: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
+        """Take the key, waiting up to ``wait`` seconds (default: the lock's ``wait``).
+
+        Raises:
+            LockNotAcquiredError: the key is held and ``wait`` is 0.
+            LockTimeoutError: the key was still held after ``wait`` seconds.
+            BackendError: the store failed.
+        """
+        if self._lock.lease is not None:
+            raise ConfigurationError(f"lock {self.key!r} is already held by this AsyncLock")
+        limit = self._lock.wait if wait is DEFAULT else validate_wait(wait)
+        deadline = None if limit is None else time.monotonic() + limit
+        self._loop = asyncio.get_running_loop()
+        place: Place | None = None  # in the store's queue of the key's waiters, if it has one
+        try:
+            while True:
+                lease = await _off(self._lock.attempt, place, orphan=self._release_orphan)
+                if lease is not None:
+                    place = None  # used up
+                    self._start_renewal()
+                    return lease
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise await _off(self._lock.busy_error, limit)
+                pause = SLICE if remaining is None else min(SLICE, remaining)
+                on = random.choice(self._lock.slots) if place is None else place.key
+                block = self.backend.wait
+                place = await _off(block, on, pause, place, orphan=_leave, pool="waits")
+        finally:
+            if place is not None:
+                _pool().submit(place.leave)
+
+    async def attempt(self) -> Lease | None:
+        """One try, without waiting: the lease, now held, or None."""
+        if self._lock.lease is not None:
+            raise ConfigurationError(f"lock {self.key!r} is already held by this AsyncLock")
+        self._loop = asyncio.get_running_loop()
+        lease = await _off(self._lock.attempt, None, orphan=self._release_orphan)
+        if lease is not None:
+            self._start_renewal()
+        return lease
+
+    async def renew(self, ttl: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
+        """Extend the lease to ``ttl`` seconds from now (default: the lock's ``ttl``).
+
+        Raises:
+            LockLostError: the lease is no longer ours.
+        """
+        return await _off(self._lock.renew, ttl)
+
+    async def release(
+        self,
+        outcome: Outcome = Outcome.SUCCEEDED,
+        problem: str | None = None,
+        details: str | None = None,
+        result: Any = None,
+    ) -> Record | None:
+        """Release the lease and record how it ended (see :meth:`Lock.release`). Once
+        started, the release finishes even if this coroutine is cancelled."""
+        await self._stop_renewal()
+        future = _pool().submit(self._lock.release, outcome, problem, details, result)
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    async def current(self) -> Lease | None:
+        """The lease on this key now, whoever holds it, or None."""
+        return await _off(self._lock.current)
+
+    async def holders(self) -> list[Lease]:
+        """Every lease on this key now (on each slot, with a ``limit``)."""
+        return await _off(self._lock.holders)
+
+    # -- renewal and loss ------------------------------------------------------------------
+
+    def _start_renewal(self) -> None:
+        if self.renew_in_background and self._lock.ttl is not None:
+            name = f"dlock-renew:{self.key}"
+            self._renewal = asyncio.get_running_loop().create_task(self._renew(), name=name)
+
+    async def _renew(self) -> None:
+        ttl = self._lock.ttl
+        assert ttl is not None
+        renewed_at = time.monotonic()
+        while True:
+            await asyncio.sleep(ttl / 3)
+            self._renewing = _pool().submit(self._lock.renew)
+            try:
+                await asyncio.wrap_future(self._renewing)
+            except LockLostError:
+                self._lose()
+                return
+            except DLockError as exc:
+                lease = self.lease
+                extra = fields("renew_failed", lease, backend=self.backend.url)
+                if time.monotonic() - renewed_at < ttl:
+                    logger.warning(
+                        "renewal of %s failed, will retry: %s", self.key, exc, extra=extra
+                    )
+                    continue
+                logger.error(
+                    "lease on %s expired while its store failed: %s", self.key, exc, extra=extra
+                )
+                self._lose()
+                return
+            renewed_at = time.monotonic()
+
+    async def _stop_renewal(self) -> None:
+        """Stop renewing, and let a renewal under way finish, so that none races the release."""
+        task, self._renewal = self._renewal, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        renewing, self._renewing = self._renewing, None
+        if renewing is not None and not renewing.done():
+            await asyncio.wait([asyncio.wrap_future(renewing)])
+
+    def _lose(self) -> None:
+        self._lost = True
+        lease = self.lease
+        if lease is not None:
+            report_lost(lease, self._call_on_lost)
+
+    def _lost_elsewhere(self, lease: Lease) -> None:
+        """From the store's watcher thread: the session that kept the lease alive ended."""
+        self._lost = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._call_on_lost, lease)
+
+    def _call_on_lost(self, lease: Lease) -> None:
+        if self.on_lost is None:
+            return
+        outcome = self.on_lost(lease)
+        if inspect.isawaitable(outcome):
+            task = asyncio.ensure_future(outcome)
+            _callbacks.add(task)  # kept until done: the loop holds tasks only weakly
+            task.add_done_callback(_callbacks.discard)
+
+    def _release_orphan(self, lease: Lease) -> None:
+        """A lease granted to an acquire whose coroutine was cancelled meanwhile."""
+        try:
+            self._lock.release(
+                Outcome.REVOKED, "CancelledError", "the acquiring coroutine was cancelled"
+            )
+        except DLockError as exc:
+            extra = fields("release_failed", lease, outcome=Outcome.REVOKED)
+            logger.error(
+                "could not release %s after a cancelled acquire: %s", lease.key, exc, extra=extra
+            )
+
+    # -- async with -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Lease:
+        return await self.acquire()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        first = self.lease
+        if first is None:
+            raise ConfigurationError(f"lock {self.key!r} is not held by this AsyncLock")
+        if isinstance(exc, asyncio.CancelledError):
+            await self.release(
+                Outcome.REVOKED, "CancelledError", "the coroutine holding the lock was cancelled"
+            )
+        elif exc is not None:
+            problem, details = describe_exception(exc)
+            await self.release(Outcome.FAILED, problem, details)
+        elif await self.release(Outcome.SUCCEEDED) is None:
+            raise LockLostError(first.key, first.fence, "release")
+
+    def __repr__(self) -> str:
+        state = "held" if self.lease is not None else "free"
+        return f"<AsyncLock {self.key!r} {state} on {self.backend!r}>"
+
+
+def _leave(place: Place) -> None:
+    place.leave()
+
+
+def alock(
+    key: str,
+    backend: LockBackend | str,
+    ttl: float | None = None,
+    wait: float | None = 0,
+    **options: Any,
+) -> AsyncLock:
+    """An :class:`AsyncLock` to use in an ``async with`` block, which gives the lease::
+
+        async with celery_dlock.alock("job:123", backend=url, ttl=30, wait=5) as lease:
+            await work(fence=lease.fence)
+
+    The block's end is recorded as ``succeeded``; ``failed`` with the exception's type,
+    message and traceback; ``revoked`` when the coroutine was cancelled. If the lease was
+    lost meanwhile, leaving the block raises :class:`LockLostError` (unless it raised).
+    """
+    return AsyncLock(backend, key, ttl, wait, **options)
