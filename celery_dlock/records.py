@@ -28,6 +28,8 @@ __all__ = [
     "check_metadata",
     "describe_exception",
     "new_token",
+    "portable_forced",
+    "portable_identity",
     "truncate_utf8",
 ]
 
@@ -104,6 +106,56 @@ def _host_id() -> str:
     return f"{boot}/{namespace}"
 
 
+#: ``host_id`` prefix of a holder identified through psutil, where there is no ``/proc``
+#: (macOS, the BSDs; the file store's ``portable`` mode).
+PORTABLE = "psutil:"
+#: Seconds by which a live process's start time, read through psutil, may differ between
+#: two reads (its clock ticks): beyond this the pid belongs to another process.
+_START_TOLERANCE = 1.0
+
+
+@lru_cache(maxsize=1)
+def _portable_host_id() -> str:
+    """This host and boot through psutil (a wall clock stepped by a second or more changes
+    it, and holders then read as another host's: never judged gone); '' without psutil."""
+    try:
+        import psutil  # optional: for the file store without /proc
+    except ImportError:
+        return ""
+    return f"{PORTABLE}{socket.gethostname()}/{int(psutil.boot_time())}"
+
+
+def portable_identity(pid: int) -> tuple[float | None, str]:
+    """``(start time, host id)`` of process ``pid`` through psutil, for the file store's
+    portable mode; ``(None, "")`` (a holder never judged gone) without psutil."""
+    host_id = _portable_host_id()
+    if not host_id:
+        return None, ""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time(), host_id
+    except psutil.Error:
+        return None, host_id
+
+
+def _portable_gone(holder: Holder) -> bool:
+    if holder.host_id != _portable_host_id():
+        return False
+    import psutil
+
+    try:
+        process = psutil.Process(holder.pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return True
+        started = process.create_time()
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False  # cannot tell: alive
+    return holder.started is not None and abs(started - holder.started) > _START_TOLERANCE
+
+
 @dataclass(frozen=True, slots=True)
 class Holder:
     """Who holds (or asks for) a lease.
@@ -159,6 +211,8 @@ class Holder:
         That needs the same kernel and pid namespace as ours; then the pid must be free or
         belong to a process with another start time. Anything we cannot check is alive.
         """
+        if self.host_id.startswith(PORTABLE):
+            return _portable_gone(self)
         if not self.host_id or self.host_id != _host_id():
             return False
         state = _process_state(self.pid)
@@ -225,8 +279,19 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 @lru_cache(maxsize=4)
 def _identity(pid: int) -> tuple[str, float | None, str]:
-    """Host name, start time and host id of our own process (cached per pid: forks differ)."""
-    return socket.gethostname(), process_start(pid), _host_id()
+    """Host name, start time and host id of our own process (cached per pid: forks differ):
+    from /proc, or through psutil where there is none (or ``CELERY_DLOCK_PORTABLE=1``)."""
+    host_id = "" if portable_forced() else _host_id()
+    if host_id:
+        return socket.gethostname(), process_start(pid), host_id
+    started, host_id = portable_identity(pid)
+    return socket.gethostname(), started, host_id
+
+
+def portable_forced() -> bool:
+    """``CELERY_DLOCK_PORTABLE=1``: behave as where there is no /proc, inotify or pidfd (for
+    testing the portable path on Linux)."""
+    return os.environ.get("CELERY_DLOCK_PORTABLE") == "1"
 
 
 def _pid_exists(pid: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import sys
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -60,6 +61,11 @@ def backend_class(url: str) -> type[LockBackend]:
     except KeyError:
         close = difflib.get_close_matches(scheme, BACKENDS, n=1)
         raise UnknownBackendError(scheme, close[0] if close else None) from None
+    if scheme == "file" and sys.platform == "win32":
+        raise ConfigurationError(
+            "the file store needs POSIX file locks (flock), which Windows does not have: use "
+            "memory:// within one process, or redis://, postgresql://, s3:// or gs://"
+        )
     module_name, class_name = target.split(":")
     try:
         module = importlib.import_module(module_name)

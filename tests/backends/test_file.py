@@ -9,12 +9,13 @@ import json
 import os
 import stat
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from celery_dlock import BackendError, Holder, Outcome, Record
+from celery_dlock import BackendError, ConfigurationError, Holder, Outcome, Record, backend_from_url
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.file.wakeups import Inotify
 from celery_dlock.backends.naming import file_name
@@ -254,3 +255,48 @@ def test_a_record_glued_to_a_torn_line_by_another_process_is_still_read(tmp_path
     segment.write_bytes(line[: len(line) // 2] + line)  # a torn half, the record glued to it
     assert [r.lease.token for r in backend.history(key="job:glued")] == [lease.token]
     backend.close()
+
+
+# -- where there is no /proc, and where there is no flock -------------------------------------
+
+
+def test_windows_gets_an_error_naming_the_stores_it_can_use(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import celery_dlock.backends
+
+    monkeypatch.setattr(celery_dlock.backends.sys, "platform", "win32")
+    with pytest.raises(ConfigurationError, match="Windows") as info:
+        backend_from_url(f"file://{tmp_path}/locks")
+    for scheme in ("memory://", "redis://", "postgresql://", "s3://", "gs://"):
+        assert scheme in str(info.value)
+
+
+def test_without_proc_the_portable_mode_is_the_default_and_identifies_by_psutil(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from celery_dlock import records
+
+    pytest.importorskip("psutil")
+    monkeypatch.setenv("CELERY_DLOCK_PORTABLE", "1")  # as on macOS: no /proc, inotify, pidfd
+    records._identity.cache_clear()
+    try:
+        backend = FileBackend(str(tmp_path / "locks"))
+        assert backend.portable
+        me = Holder.current()
+        assert me.host_id.startswith(records.PORTABLE) and me.started is not None
+        assert not me.is_gone()
+        lease = backend.try_acquire("job:portable", me, None)
+        assert lease is not None and lease.holder == me
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        gone = dataclasses.replace(me, pid=int(dead.stdout))
+        assert gone.is_gone()  # that pid's process has exited
+        assert dataclasses.replace(me, started=me.started - 5).is_gone()  # a recycled pid
+        backend.release(lease, Outcome.SUCCEEDED)
+    finally:
+        records._identity.cache_clear()

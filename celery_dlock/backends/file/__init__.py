@@ -32,8 +32,14 @@ Guarantees
     holders anyway).
     wait: woken by the kernel (inotify on the key's file, pidfd on the holder's process).
 
+Portable mode (``?portable=1``; the default where there is no ``/proc``: macOS, the BSDs)
+    the same files and ``flock``; a holder's process is identified through psutil (its
+    start time by ``create_time``), and waits look at the key every 20-50 ms. Without
+    psutil a crashed holder is never judged gone: only its ``ttl`` frees the key.
+
 Install
-    nothing: Linux (or any POSIX with ``/proc`` and ``flock``); no driver.
+    nothing on Linux; ``psutil`` elsewhere (a dependency of the package off Linux). Not on
+    Windows (no ``flock``): ``backend_from_url`` says which stores to use there.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ import dataclasses
 import fcntl
 import functools
 import json
+import logging
 import os
+import random
 import select
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
@@ -75,9 +84,12 @@ from celery_dlock.backends.file.state import PAGE, Local, Locked, State, raise_f
 from celery_dlock.backends.file.wakeups import Inotify, watch_holder
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError, ConfigurationError
-from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+from celery_dlock.events import fields
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token, portable_forced
 
 __all__ = ["FileBackend"]
+
+logger = logging.getLogger("celery_dlock.file")
 
 
 class FileBackend(LockBackend):
@@ -100,6 +112,7 @@ class FileBackend(LockBackend):
         fsync: bool = False,
         gc_after: float = DAY,
         clock: WallClock | None = None,
+        portable: bool | None = None,
     ) -> None:
         if not os.path.isabs(directory):
             raise ConfigurationError(
@@ -110,6 +123,16 @@ class FileBackend(LockBackend):
         self.url = f"file://{self.directory}"
         self.fsync = fsync
         self.gc_after = float(gc_after)
+        #: No inotify or pidfd: waits poll (holders are identified through psutil where
+        #: there is no /proc: see ``Holder.current``).
+        self.portable = (not _LINUX or portable_forced()) if portable is None else portable
+        if not Holder.current().host_id:
+            logger.warning(
+                "the file store at %s cannot tell a crashed holder here (no /proc, no psutil): "
+                "its keys are freed only by their ttl (pip install psutil)",
+                self.directory,
+                extra=fields("no_liveness", backend=self.url),
+            )
         self._clock: WallClock = clock or wall_clock
         self._locks_dir = os.path.join(self.directory, "locks")
         self._history_dir = os.path.join(self.directory, "history")
@@ -139,7 +162,11 @@ class FileBackend(LockBackend):
         if not path or path == "/":
             raise ConfigurationError(f"file backend URL {url!r} names no directory")
         clock = options.pop("clock", None)
-        known: dict[str, Callable[[str], Any]] = {"fsync": flag, "gc_after": float}
+        known: dict[str, Callable[[str], Any]] = {
+            "fsync": flag,
+            "gc_after": float,
+            "portable": flag,
+        }
         return cls(path, clock=clock, **url_options("file", parts.query, known, options))
 
     def _locked(self, key: str, operation: int = fcntl.LOCK_EX) -> Locked:
@@ -343,6 +370,9 @@ class FileBackend(LockBackend):
         """Sleep until ``key``'s file changes or its holder's process exits, at most
         ``timeout`` seconds. The watch is armed before the state is read, so a release
         between the two is not missed."""
+        if self.portable:
+            self._poll(key, timeout)
+            return None  # no queue: nothing to keep
         path = os.path.join(self._locks_dir, file_name(key))
         watch = Inotify.watch(path)
         waits: list[int] = [] if watch is None else [watch]
@@ -365,8 +395,26 @@ class FileBackend(LockBackend):
                 os.close(fd)
         return None  # no queue: nothing to keep
 
+    def _poll(self, key: str, timeout: float) -> None:
+        """``wait`` without kernel wakeups: look at the key every few tens of ms."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lease = self.get(key)
+            if lease is None or _ended(lease, self._clock()) is not None:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, random.uniform(*_POLL)))
+
     def close(self) -> None:
         self._local.get().close()
+
+
+#: Seconds between looks at a busy key in portable mode (jittered).
+_POLL = (0.02, 0.05)
+#: Where /proc, inotify and pidfd are (Linux); elsewhere the portable mode is the default.
+_LINUX = sys.platform.startswith("linux") and os.path.exists("/proc/self/stat")
 
 
 def _ended(lease: Lease, now: float) -> Record | None:
