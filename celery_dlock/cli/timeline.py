@@ -1,0 +1,207 @@
+"""``timeline``: a picture of who held which key when, as an SVG (or an HTML page holding
+it), for a ticket or a postmortem::
+
+    celery-dlock --backend URL timeline --key job:order: --since 1h -o timeline.svg
+
+One row per key, one bar per lease from its acquisition to its release, coloured by outcome;
+a lease still held runs to now, hatched. Each bar's tooltip (``<title>``) names the outcome,
+fence, holder, times and problem; its ``data-*`` attributes carry the same for scripts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from xml.sax.saxutils import escape, quoteattr
+
+import click
+
+from celery_dlock.cli.env import Env, UsageFailure, guarded
+from celery_dlock.cli.render import SINCE, human_duration, local_time
+from celery_dlock.records import Lease, Outcome, Record
+
+__all__ = ["COLOURS", "Bar", "render_svg", "timeline"]
+
+#: Bar colours by outcome; ``held`` is a lease not released yet.
+COLOURS = {
+    Outcome.SUCCEEDED.value: "#2e7d32",
+    Outcome.FAILED.value: "#c62828",
+    Outcome.SKIPPED.value: "#9e9e9e",
+    Outcome.RETRIED.value: "#1565c0",
+    Outcome.REVOKED.value: "#ef6c00",
+    Outcome.DISCONNECTED.value: "#6a1b9a",
+    Outcome.EXPIRED.value: "#795548",
+    Outcome.FORCED.value: "#ad1457",
+    Outcome.LOST.value: "#212121",
+    Outcome.DEQUEUED.value: "#00838f",
+    Outcome.ABANDONED.value: "#f9a825",
+    "held": "#64b5f6",
+}
+_LABEL = 260  # px of key labels
+_WIDTH = 1000  # px of the time axis
+_ROW = 18
+_TOP = 40
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One lease on the picture: from ``start`` to ``end`` (store clock seconds)."""
+
+    lease: Lease
+    start: float
+    end: float
+    outcome: str  # an Outcome's value, or "held"
+    problem: str | None = None
+
+    @classmethod
+    def of(cls, record: Record) -> Bar:
+        start = record.lease.acquired_at
+        outcome = record.outcome.value
+        return cls(record.lease, start, record.released_at, outcome, record.problem)
+
+    def title(self) -> str:
+        held = human_duration(max(self.end - self.start, 0.0))
+        until = "still held" if self.outcome == "held" else f"until {local_time(self.end)}"
+        lines = [
+            f"{self.lease.key}: {self.outcome}" + (f" ({self.problem})" if self.problem else ""),
+            f"fence {self.lease.fence}, held {held}, from {local_time(self.start)} {until}",
+            f"holder {self.lease.holder.describe()}",
+        ]
+        return "\n".join(lines)
+
+
+def render_svg(bars: Sequence[Bar], since: float, until: float) -> str:
+    """The picture of ``bars`` between ``since`` and ``until`` as an SVG document."""
+    keys = sorted({bar.lease.key for bar in bars})
+    rows = {key: n for n, key in enumerate(keys)}
+    span = max(until - since, 1e-6)
+    height = _TOP + _ROW * max(len(keys), 1) + 40
+
+    def x(at: float) -> float:
+        return _LABEL + _WIDTH * (min(max(at, since), until) - since) / span
+
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _WIDTH + 20}" '
+        f'height="{height}" font-family="sans-serif" font-size="12">',
+        '<defs><pattern id="held" width="6" height="6" patternUnits="userSpaceOnUse" '
+        f'patternTransform="rotate(45)"><rect width="3" height="6" fill="{COLOURS["held"]}"/>'
+        "</pattern></defs>",
+        f'<text x="4" y="16" font-weight="bold">{escape(_caption(since, until, bars))}</text>',
+    ]
+    parts += _axis(since, until, x, height)
+    for key, n in rows.items():
+        y = _TOP + _ROW * n
+        parts.append(
+            f'<text class="key" x="{_LABEL - 6}" y="{y + 13}" text-anchor="end">'
+            f"{escape(_clip(key))}<title>{escape(key)}</title></text>"
+        )
+    for bar in sorted(bars, key=lambda bar: (bar.lease.key, bar.start)):
+        y = _TOP + _ROW * rows[bar.lease.key] + 2
+        left = x(bar.start)
+        width = max(x(bar.end) - left, 1.0)
+        fill = "url(#held)" if bar.outcome == "held" else COLOURS.get(bar.outcome, "#000")
+        attributes = {
+            "class": "lease",
+            "data-key": bar.lease.key,
+            "data-fence": str(bar.lease.fence),
+            "data-token": bar.lease.token,
+            "data-outcome": bar.outcome,
+            "data-holder": bar.lease.holder.describe(),
+        }
+        attrs = " ".join(f"{name}={quoteattr(value)}" for name, value in attributes.items())
+        parts.append(
+            f'<rect {attrs} x="{left:.1f}" y="{y}" width="{width:.1f}" height="{_ROW - 4}" '
+            f'fill="{fill}"><title>{escape(bar.title())}</title></rect>'
+        )
+    parts += _legend(height - 14)
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"
+
+
+def _caption(since: float, until: float, bars: Sequence[Bar]) -> str:
+    keys = len({bar.lease.key for bar in bars})
+    return (
+        f"celery-dlock leases from {local_time(since)} to {local_time(until)}: "
+        f"{len(bars)} leases on {keys} keys"
+    )
+
+
+def _clip(key: str, limit: int = 40) -> str:
+    return key if len(key) <= limit else "…" + key[-(limit - 1) :]
+
+
+def _axis(since: float, until: float, x: Callable[[float], float], height: int) -> list[str]:
+    """Ticks at a round step, at most ten across."""
+    span = until - since
+    steps = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400)
+    step = next((s for s in steps if span / s <= 10), 86400 * math.ceil(span / 86400 / 10))
+    first = math.ceil(since / step) * step
+    parts = []
+    tick = first
+    while tick <= until:
+        left = x(tick)
+        parts.append(
+            f'<line x1="{left:.1f}" y1="{_TOP - 6}" x2="{left:.1f}" y2="{height - 34}" '
+            'stroke="#e0e0e0"/>'
+            f'<text x="{left:.1f}" y="{_TOP - 10}" text-anchor="middle" fill="#555">'
+            f"{escape(time.strftime('%H:%M:%S', time.localtime(tick)))}</text>"
+        )
+        tick += step
+    return parts
+
+
+def _legend(y: int) -> list[str]:
+    parts = []
+    left = 4
+    for name, colour in COLOURS.items():
+        fill = "url(#held)" if name == "held" else colour
+        parts.append(
+            f'<rect x="{left}" y="{y - 10}" width="12" height="12" fill="{fill}"/>'
+            f'<text x="{left + 16}" y="{y}">{escape(name)}</text>'
+        )
+        left += 22 + 7 * len(name)
+    return parts
+
+
+def page(svg: str, title: str) -> str:
+    """An HTML page holding the SVG (tooltips show on hover)."""
+    return (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"/>'
+        f"<title>{escape(title)}</title></head><body>\n{svg}</body></html>\n"
+    )
+
+
+@click.command()
+@click.option("--key", "prefix", help="Only keys starting with this (default: the namespace).")
+@click.option("--since", type=SINCE, default="1h", show_default=True, help="From: 10m, 2h or ISO.")
+@click.option("--limit", type=click.IntRange(min=1), default=5000, show_default=True,
+              help="At most this many released leases, the newest.")  # fmt: skip
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The file to write: .svg, or .html for a page holding the picture.")  # fmt: skip
+@guarded
+def timeline(env: Env, *, prefix: str | None, since: float, limit: int, output: Path) -> None:
+    """Draw who held which key when, as an SVG or HTML file.
+
+    One row per key, one bar per lease from acquisition to release, coloured by outcome; a
+    lease still held is hatched up to now. Hover a bar for its fence, holder and times.
+    """
+    if output.suffix.lower() not in (".svg", ".html", ".htm"):
+        raise UsageFailure(f"-o {output}: write a .svg or an .html file")
+    chosen = env.target.prefix if prefix is None else prefix
+    backend = env.backend
+    until = time.time()
+    records = [
+        record
+        for record in backend.history(since=since, limit=limit)
+        if record.key.startswith(chosen)
+    ]
+    bars = [Bar.of(record) for record in records]
+    bars += [Bar(lease, lease.acquired_at, until, "held") for lease in backend.leases(chosen)]
+    svg = render_svg(bars, since, until)
+    text = page(svg, _caption(since, until, bars)) if output.suffix.lower() != ".svg" else svg
+    output.write_text(text, encoding="utf-8")
+    keys = len({bar.lease.key for bar in bars})
+    env.echo(f"wrote {output}: {len(bars)} leases on {keys} keys since {local_time(since)}")
