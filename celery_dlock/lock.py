@@ -17,7 +17,7 @@ from enum import Enum
 from types import TracebackType
 from typing import Any, Final, Literal
 
-from celery_dlock import releasing
+from celery_dlock import metrics, releasing
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, Place, remembered, validate_ttl
 from celery_dlock.errors import (
@@ -182,13 +182,15 @@ class Lock:
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
         limit = self.wait if wait is DEFAULT else validate_wait(wait)
-        deadline = None if limit is None else time.monotonic() + limit
+        began = time.monotonic()
+        deadline = None if limit is None else began + limit
         holder = self._holder()
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
         try:
             while True:
                 lease = self._try(holder, replace, place)
                 if lease is not None:
+                    metrics.waited(holder.task_name, time.monotonic() - began)
                     if place is not None and place.key != lease.key:
                         place.leave()  # another slot came free first
                     place = None  # used up
@@ -210,6 +212,16 @@ class Lock:
     def _try(self, holder: Holder, replace: str | None, place: Place | None) -> Lease | None:
         """One attempt at the key, or at each slot in a random order (the slot of the lease
         ``replace`` names first)."""
+        started = time.perf_counter()
+        try:
+            lease = self._try_slots(holder, replace, place)
+        except BackendError:
+            metrics.store_error(self.backend.name, "acquire")
+            raise
+        metrics.store_call(self.backend.name, "acquire", started)
+        return lease
+
+    def _try_slots(self, holder: Holder, replace: str | None, place: Place | None) -> Lease | None:
         if self.limit == 1:
             return self.backend.try_acquire(self.key, holder, self.ttl, replace, place)
         slots = random.sample(self.slots, self.limit)
@@ -404,7 +416,10 @@ class Lock:
         found by :meth:`current`), by its token; None if it was no longer current."""
         if lease.key not in self.slots:
             raise ConfigurationError(f"lease of {lease.key!r} given to the lock of {self.key!r}")
-        return self.backend.release(lease, outcome, problem, details)
+        record = self.backend.release(lease, outcome, problem, details)
+        if record is not None:
+            metrics.released(record)
+        return record
 
     def last_success(self, task_name: str) -> Record | None:
         """The success of ``task_name`` kept on this key (its result is what ``once``

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import LockNotAcquiredError
 from celery_dlock.events import fields
@@ -56,6 +57,7 @@ def reap(
             records = backend.reap(limit=batch)
             for record in records:
                 counts["reaped"] += 1
+                metrics.reaped(record.outcome.value)
                 if record.outcome is Outcome.DISCONNECTED:
                     counts["disconnected"] += 1
                 elif record.outcome is Outcome.EXPIRED:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from celery_dlock import metrics
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, remembered
 from celery_dlock.errors import BackendError
@@ -44,8 +45,17 @@ class Ending:
 
 def release(backend: LockBackend, ending: Ending, retrying: bool = False) -> Record | None:
     lease = ending.lease
-    record = backend.release(lease, ending.outcome, ending.problem, ending.details, ending.result)
+    started = time.perf_counter()
+    try:
+        record = backend.release(
+            lease, ending.outcome, ending.problem, ending.details, ending.result
+        )
+    except BackendError:
+        metrics.store_error(backend.name, "release")
+        raise
+    metrics.store_call(backend.name, "release", started)
     if record is not None:
+        metrics.released(record)
         return record
     if retrying:  # an earlier attempt may have landed with its reply lost
         earlier = _record_of(backend, lease)
@@ -124,9 +134,9 @@ def _record_lost(backend: LockBackend, ending: Ending) -> None:
         kept = _keep(backend, success)
     note = f"{outcome} not recorded: the lease was lost before its release{kept}"
     text = "\n".join(part for part in (note, ending.problem, ending.details) if part)
-    backend.add_record(
-        Record(lease, now, Outcome.LOST, "lost", truncate_utf8(text, DETAILS_LIMIT), None)
-    )
+    lost = Record(lease, now, Outcome.LOST, "lost", truncate_utf8(text, DETAILS_LIMIT), None)
+    backend.add_record(lost)
+    metrics.released(lost)
     logger.log(
         logging.WARNING if ending.reported else logging.ERROR,
         "lease on %s (fence %d) was lost before release [%s] (outcome %s): %s",

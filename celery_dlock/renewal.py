@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import DLockError
 from celery_dlock.events import fields
@@ -98,6 +99,7 @@ class Renewer:
 def report_lost(lease: Lease, on_lost: Callable[[Lease], None] | None, how: str = "") -> None:
     """Log that ``lease`` was lost (``how``: a phrase after "was lost") and call ``on_lost``;
     an exception from the callback is logged, not raised."""
+    metrics.lost(lease)
     logger.error(
         "lease on %s (fence %d) of %s was lost%s: another holder may run now",
         lease.key,

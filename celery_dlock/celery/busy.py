@@ -9,6 +9,7 @@ from typing import Any
 
 from celery.exceptions import Retry
 
+from celery_dlock import metrics
 from celery_dlock.errors import BackendError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
@@ -28,6 +29,7 @@ def apply_policy(task: Any, lock: Lock, exc: LockNotAcquiredError) -> Any:
     """The task's ``on_locked`` policy for a busy key: a callable's answer, a ``skipped``
     record, the error, or a re-queue."""
     policy = task.on_locked
+    metrics.busy(task.name, "callable" if callable(policy) else str(policy))
     current = current_lease(lock)
     if callable(policy):
         return policy(lock.key, current)

@@ -9,6 +9,8 @@ Settings (Celery style, all optional)::
     dlock_janitor_interval   seconds between janitor runs    30.0
     dlock_history_retention  seconds of history kept         30 days (None: forever)
     dlock_on_backend_error   "retry" (fail closed) or "run"  "retry"
+    dlock_dedupe_ttl         seconds a dedupe mark lives     3600.0
+    dlock_metrics            Prometheus metrics (the [metrics] extra)   False
 
 Settings are read when used, not when installed, so the order of ``install(app)`` and
 ``app.config_from_object(...)`` does not matter.
@@ -25,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend, validate_ttl
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.events import fields
@@ -37,6 +40,7 @@ __all__ = [
     "Settings",
     "backend_for",
     "default_backend_url",
+    "enable_metrics",
     "forget_settings",
     "settings",
     "warn_if_default_store",
@@ -62,6 +66,8 @@ class Settings:
     default_backend: bool = False
     #: Seconds a ``dedupe`` mark lives past its message's countdown (``dlock_dedupe_ttl``).
     dedupe_ttl: float = 3600.0
+    #: Prometheus metrics on (``dlock_metrics``; see :mod:`celery_dlock.metrics`).
+    metrics: bool = False
 
 
 def default_backend_url() -> str:
@@ -122,7 +128,12 @@ def _read_settings(app: Celery) -> Settings:
             f"dlock_on_backend_error must be 'retry' (fail closed) or 'run', not {on_error!r}"
         )
     dedupe_ttl = _seconds(conf.get("dlock_dedupe_ttl", 3600.0), "dlock_dedupe_ttl")
-    return Settings(url, namespace, ttl, interval, retention, on_error, default, dedupe_ttl)
+    metrics = conf.get("dlock_metrics", False)
+    if not isinstance(metrics, bool):
+        raise ConfigurationError(f"dlock_metrics must be True or False, not {metrics!r}")
+    return Settings(
+        url, namespace, ttl, interval, retention, on_error, default, dedupe_ttl, metrics
+    )
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -141,6 +152,20 @@ def warn_if_default_store(current: Settings) -> None:
             current.backend,
             extra=fields("default_store", backend=current.backend),
         )
+
+
+def enable_metrics() -> None:
+    """``dlock_metrics = True``: the metrics on in this process.
+
+    Raises:
+        ConfigurationError: prometheus_client is not installed.
+    """
+    try:
+        metrics.enable()
+    except ImportError as exc:
+        raise ConfigurationError(
+            f"dlock_metrics needs prometheus_client: pip install 'celery-dlock[metrics]' ({exc})"
+        ) from exc
 
 
 def backend_for(app: Celery) -> LockBackend:

@@ -27,7 +27,7 @@ from celery.exceptions import TimeLimitExceeded
 
 from celery_dlock.celery import revoking
 from celery_dlock.celery.dedupe import end_mark_of_attempt
-from celery_dlock.celery.settings import settings
+from celery_dlock.celery.settings import enable_metrics, settings
 from celery_dlock.errors import DLockError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
@@ -57,7 +57,16 @@ def connect() -> None:
         celery_signals.worker_process_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_init.connect(revoking.install, weak=False)
+        celery_signals.worker_init.connect(_metrics_if_asked, weak=False)
         _connected.set()
+
+
+def _metrics_if_asked(sender: Any = None, **_: Any) -> None:
+    """The worker's main process counts what it releases for its children (a child that
+    died): with ``dlock_metrics``, its metrics are on from the start."""
+    app = getattr(sender, "app", None)
+    if app is not None and settings(app).metrics:
+        enable_metrics()
 
 
 def _task_failed(

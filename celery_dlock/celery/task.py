@@ -38,12 +38,13 @@ from celery import Task
 from celery._state import _task_stack
 from celery.exceptions import Reject, Retry
 
+from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import busy, dedupe, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import check_options
 from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
-from celery_dlock.celery.settings import settings, warn_if_default_store
+from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
 from celery_dlock.errors import (
     AlreadySucceededError,
     BackendError,
@@ -268,6 +269,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         request = self.request
         current = settings(self.app)
         warn_if_default_store(current)
+        if current.metrics and not metrics.enabled():
+            enable_metrics()
         keys = self.lock_keys_for(args, kwargs, current.namespace)
         ttl = current.ttl if self.lock_ttl is DEFAULT else validate_ttl(self.lock_ttl)
         holder = Holder.current(

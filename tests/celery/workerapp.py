@@ -3,7 +3,8 @@
 
 Configured by environment: DLOCK_TEST_BROKER, DLOCK_TEST_RESULTS, DLOCK_TEST_LOCKS (lock
 store URL), DLOCK_TEST_LEDGER (a file the task bodies append events to), and optionally
-DLOCK_TEST_VISIBILITY (Redis visibility timeout, s) and DLOCK_TEST_JANITOR (interval, s).
+DLOCK_TEST_VISIBILITY (Redis visibility timeout, s), DLOCK_TEST_JANITOR (interval, s) and
+DLOCK_TEST_METRICS ("1": dlock_metrics on).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ app.conf.update(
     result_backend=os.environ["DLOCK_TEST_RESULTS"],
     dlock_backend=os.environ["DLOCK_TEST_LOCKS"],
     dlock_janitor_interval=float(os.environ.get("DLOCK_TEST_JANITOR", "3600")),
+    dlock_metrics=os.environ.get("DLOCK_TEST_METRICS") == "1",
     task_default_queue=os.environ.get("DLOCK_TEST_QUEUE", "celery"),
     worker_prefetch_multiplier=1,
     task_track_started=True,

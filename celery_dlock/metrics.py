@@ -1,0 +1,161 @@
+"""Prometheus metrics, with ``prometheus_client`` (the ``[metrics]`` extra).
+
+Off until :func:`enable` (or the Celery setting ``dlock_metrics = True``): then every hook
+below is a counter or histogram update; off, each is one function call that returns at
+once, and ``prometheus_client`` is never imported. In a prefork worker, set
+``PROMETHEUS_MULTIPROC_DIR`` before the worker starts (prometheus_client's multiprocess
+mode): each process writes its own file, a scrape sums them, and a SIGKILLed child's counts
+stay in its file.
+
+Metrics (base units, Prometheus naming):
+
+- ``dlock_releases_total{task, outcome}``: leases released, by task and outcome;
+- ``dlock_held_seconds{task, outcome}``: how long they were held (histogram);
+- ``dlock_wait_seconds{task}``: how long an acquisition waited for its key (histogram);
+- ``dlock_busy_total{task, policy}``: keys found busy, by the task's ``on_locked`` policy;
+- ``dlock_leases_lost_total{task}``: leases lost while held;
+- ``dlock_store_seconds{backend, operation}``: store call latency (histogram);
+- ``dlock_store_errors_total{backend, operation}``: store calls that failed;
+- ``dlock_reaped_total{reason}``: leases the janitor cleared (``disconnected``, ``expired``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from celery_dlock.records import Lease, Record
+
+__all__ = [
+    "busy",
+    "disable",
+    "enable",
+    "enabled",
+    "lost",
+    "reaped",
+    "released",
+    "store_call",
+    "store_error",
+    "waited",
+]
+
+#: Histogram buckets, in seconds: store calls and waits are ms, holds up to hours.
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_SLOW = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0)
+
+_on = False
+_mutex = threading.Lock()
+_metrics: dict[str, Any] = {}
+#: Labelled children by (metric, labels): ``labels()`` costs more than an update.
+_children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+
+def enable(registry: Any = None) -> None:
+    """Turn the metrics on in this process (idempotent), in ``registry`` (default:
+    prometheus_client's global one).
+
+    Raises:
+        ImportError: prometheus_client is not installed (``pip install
+            'celery-dlock[metrics]'``).
+    """
+    global _on
+    with _mutex:
+        if _on:
+            return
+        if _metrics:  # made before, then disabled
+            _on = True
+            return
+        from prometheus_client import Counter, Histogram  # the [metrics] extra
+
+        where = {} if registry is None else {"registry": registry}
+        _metrics.update(
+            releases=Counter(
+                "dlock_releases", "Leases released", ["task", "outcome"], **where
+            ),
+            held=Histogram(
+                "dlock_held_seconds", "Time a lease was held", ["task", "outcome"],
+                buckets=_SLOW, **where,
+            ),
+            wait=Histogram(
+                "dlock_wait_seconds", "Time an acquisition waited for its key", ["task"],
+                buckets=_FAST + _SLOW[4:], **where,
+            ),
+            busy=Counter("dlock_busy", "Keys found busy", ["task", "policy"], **where),
+            lost=Counter("dlock_leases_lost", "Leases lost while held", ["task"], **where),
+            store=Histogram(
+                "dlock_store_seconds", "Store call latency", ["backend", "operation"],
+                buckets=_FAST, **where,
+            ),
+            errors=Counter(
+                "dlock_store_errors", "Store calls that failed", ["backend", "operation"],
+                **where,
+            ),
+            reaped=Counter("dlock_reaped", "Leases the janitor cleared", ["reason"], **where),
+        )  # fmt: skip
+        _on = True
+
+
+def disable() -> None:
+    """Stop updating the metrics in this process (they keep their values)."""
+    global _on
+    _on = False
+
+
+def enabled() -> bool:
+    """Whether the metrics are on in this process."""
+    return _on
+
+
+def _child(name: str, *labels: str) -> Any:
+    key = (name, labels)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = _metrics[name].labels(*labels)
+    return child
+
+
+def released(record: Record) -> None:
+    """A lease was released: counted by task and outcome, with how long it was held."""
+    if not _on:
+        return
+    task = record.lease.holder.task_name or ""
+    outcome = record.outcome.value
+    _child("releases", task, outcome).inc()
+    _child("held", task, outcome).observe(max(record.released_at - record.lease.acquired_at, 0.0))
+
+
+def waited(task: str | None, seconds: float) -> None:
+    """An acquisition got its key after ``seconds`` of waiting (0 when it was free)."""
+    if _on:
+        _child("wait", task or "").observe(seconds)
+
+
+def busy(task: str | None, policy: str) -> None:
+    """A task found its key busy, and applies ``policy``."""
+    if _on:
+        _child("busy", task or "", policy).inc()
+
+
+def lost(lease: Lease) -> None:
+    """A lease was lost while held."""
+    if _on:
+        _child("lost", lease.holder.task_name or "").inc()
+
+
+def store_call(backend: str, operation: str, started: float) -> None:
+    """A store call that began at ``started`` (``time.perf_counter()``) ended."""
+    if _on:
+        _child("store", backend, operation).observe(time.perf_counter() - started)
+
+
+def store_error(backend: str, operation: str) -> None:
+    """A store call failed."""
+    if _on:
+        _child("errors", backend, operation).inc()
+
+
+def reaped(reason: str) -> None:
+    """The janitor cleared a lease (``disconnected`` or ``expired``)."""
+    if _on:
+        _child("reaped", reason).inc()
