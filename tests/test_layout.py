@@ -14,7 +14,14 @@ grimp = pytest.importorskip("grimp")
 
 PACKAGE = Path(__file__).parent.parent / "celery_dlock"
 #: What may be imported inside a function: drivers that an extra installs.
-OPTIONAL = ("google.", "celery_dlock.celery.", "psutil.", "prometheus_client.")
+OPTIONAL = (
+    "google.",
+    "celery_dlock.celery.",
+    "psutil.",
+    "prometheus_client.",
+    "waitress.",
+    "celery_dlock.cli.web.",
+)
 
 
 def test_no_module_imports_itself_back_through_another() -> None:

@@ -9,8 +9,9 @@ Usage::
 
 Commands (the same in both): ``leases [PREFIX]``, ``history``, ``release KEY``, ``reap``,
 ``migrate``, ``doctor`` (each takes ``--json``), ``run KEY -- COMMAND`` (a command under
-the lock, for cron: see :mod:`celery_dlock.cli.run`) and ``timeline -o FILE.svg`` (a picture
-of the leases: see :mod:`celery_dlock.cli.timeline`). ``dlock`` is the ``celery.commands`` entry
+the lock, for cron: see :mod:`celery_dlock.cli.run`) ``timeline -o FILE.svg`` (a picture
+of the leases: see :mod:`celery_dlock.cli.timeline`) and ``serve`` (a web page over the store:
+see :mod:`celery_dlock.cli.serve`). ``dlock`` is the ``celery.commands`` entry
 point and reads the app's settings through ``ctx.obj.app``; ``main`` needs no app (nor
 Celery installed) and takes the store from ``--backend`` or ``DLOCK_BACKEND``.
 
@@ -30,6 +31,7 @@ from celery_dlock.cli.commands import COMMANDS
 from celery_dlock.cli.doctor import doctor
 from celery_dlock.cli.env import Env, Target, UsageFailure
 from celery_dlock.cli.run import run
+from celery_dlock.cli.serve import serve
 from celery_dlock.cli.timeline import timeline
 
 __all__ = ["dlock", "main"]
@@ -54,7 +56,7 @@ def dlock(
     ctx: click.Context, /, backend_url: str | None, namespace: str | None, **_preload: Any
 ) -> None:
     """Inspect and manage celery-dlock locks: leases, history, release, reap, migrate, doctor,
-    run, timeline."""
+    run, timeline, serve."""
     # Celery < 5.7 passes the app's preload options to plugin commands: hence **_preload.
     app = getattr(ctx.obj, "app", None)
     if app is None:
@@ -127,6 +129,6 @@ def main(ctx: click.Context, /, backend_url: str | None, namespace: str) -> None
     ctx.obj = Env(resolve)
 
 
-for _command in (*COMMANDS, doctor, run, timeline):
+for _command in (*COMMANDS, doctor, run, timeline, serve):
     dlock.add_command(_command)
     main.add_command(_command)

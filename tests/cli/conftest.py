@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,28 @@ from tests.cli.clitools import REDIS_URL, CliStore, postgres_url, redis_client
 from tests.support.services import drop_schema, postgres_admin
 
 
+@contextmanager
+def postgres_store() -> Iterator[CliStore]:
+    """A fresh, migrated schema on the test server, dropped afterwards."""
+    admin = postgres_admin()
+    schema = f"dlock_cli_{os.urandom(5).hex()}"
+    url = postgres_url(schema)
+    try:
+        with backend_from_url(url) as backend:
+            backend.migrate()  # type: ignore[attr-defined]
+            yield CliStore("postgres", url, backend)
+    finally:
+        drop_schema(admin, schema)
+        admin.close()
+
+
+@pytest.fixture
+def pg_store() -> Iterator[CliStore]:
+    """The Postgres store alone."""
+    with postgres_store() as store:
+        yield store
+
+
 @pytest.fixture(params=["file", "postgres", "redis"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CliStore]:
     if request.param == "file":
@@ -27,16 +50,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CliStore]:
         with backend_from_url(url) as backend:
             yield CliStore("file", url, backend)
     elif request.param == "postgres":
-        admin = postgres_admin()
-        schema = f"dlock_cli_{os.urandom(5).hex()}"
-        url = postgres_url(schema)
-        try:
-            with backend_from_url(url) as backend:
-                backend.migrate()  # type: ignore[attr-defined]
-                yield CliStore("postgres", url, backend)
-        finally:
-            drop_schema(admin, schema)
-            admin.close()
+        with postgres_store() as store:
+            yield store
     else:
         client = redis_client()
         prefix = f"dlock-cli-{os.urandom(5).hex()}"
