@@ -112,8 +112,9 @@ def test_psql_and_python_exclude_each_other_and_share_fences_and_history(
 def test_contending_psql_sessions_and_python_threads_never_hold_at_once(
     store: tuple[PostgresBackend, str], tmp_path: Path
 ) -> None:
-    """Four psql sessions and four Python threads take one key 10 times each; every hold
-    writes its start and end, and no two holds overlap."""
+    """Four psql sessions (100 tries each, 50 ms apart) and four Python threads (10 holds
+    each, with a gap between) take one key; every hold writes its start and end, no two
+    holds overlap, and both kinds of holder get it."""
     backend, schema = store
     key = "job:shared"
     log = tmp_path / "holds"
@@ -128,10 +129,10 @@ def test_contending_psql_sessions_and_python_threads_never_hold_at_once(
         f"SELECT {schema}.release('{key}', :'token');\n"
         "\\unset token\n"
         "\\else\n"
-        "SELECT pg_sleep(0.01);\n"
+        "SELECT pg_sleep(0.05);\n"
         "\\endif\n"
     )
-    sessions = [psql(take * 40) for _ in range(4)]
+    sessions = [psql(take * 100) for _ in range(4)]
     lines: list[str] = []
     mutex = threading.Lock()
 
@@ -145,6 +146,7 @@ def test_contending_psql_sessions_and_python_threads_never_hold_at_once(
                     threading.Event().wait(0.02)
                     with mutex, log.open("a") as out:
                         out.write(f"end {lease.fence}\n")
+                threading.Event().wait(0.03)  # a gap, for the polling psql sessions
         finally:
             own.close()
 

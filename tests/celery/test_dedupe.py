@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -399,15 +402,7 @@ def test_on_redis_a_producer_killed_before_its_send_blocks_the_key_for_send_ttl_
     """Redis cannot tell that a producer died: its mark lives only as long as a send may
     take (``SEND_TTL``, shortened here), not ``dedupe_ttl`` (an hour): celery-once and
     celery-singleton keep such a key blocked until their own timeout."""
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("DLOCK_TEST_")},
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
-        "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",
-        "DLOCK_TEST_LOCKS": f"{redis_url}/5",
-        "DLOCK_TEST_LEDGER": str(tmp_path / "ledger"),
-        "DLOCK_TEST_QUEUE": f"nowhere-{uuid.uuid4().hex[:8]}",  # no worker runs these
-    }
+    env = producer_env(tmp_path, redis_url, f"{redis_url}/5")
     who = customer()
     assert produce(env, who, then="die-before-send", send_ttl=2.0) == ""
     store = backend_from_url(f"{redis_url}/5")
@@ -463,3 +458,43 @@ def _sent_or_none(task: Any, *args: Any) -> Any:
         return task.delay(*args)
     except BackendError:
         return None
+
+
+@pytest.mark.parametrize("persistence", ["none", "aof"])
+def test_a_redis_restart_keeps_the_marks_its_persistence_keeps(
+    tmp_path: Any, redis_url: str, persistence: str
+) -> None:
+    """The lock store is a Redis of its own, restarted by SIGKILL: without persistence its
+    marks are gone and the next call sends (the body lock still keeps runs apart); with an
+    append-only file synced on every write, the mark is there and the call is a duplicate."""
+    from tests.backends.test_redis_server import RedisServer
+
+    extra = ("--appendonly", "yes", "--appendfsync", "always") if persistence == "aof" else ()
+    directory = Path(tempfile.mkdtemp(prefix="dlock-redis-"))
+    server = RedisServer(directory, *extra)
+    server.start()
+    try:
+        env = producer_env(tmp_path, redis_url, server.url(f"dedupe-{persistence}"))
+        who = customer()
+        first = produce(env, who, then="exit")
+        assert produce(env, who, then="exit") == first  # a duplicate before the restart
+        server.restart()
+        again = produce(env, who, then="exit")
+        assert (again == first) is (persistence == "aof"), (first, again)
+    finally:
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def producer_env(tmp_path: Any, redis_url: str, locks: str) -> dict[str, str]:
+    """The environment of a producer process on the Redis broker, with the lock store
+    ``locks``, sending to a queue no worker reads."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("DLOCK_TEST_")},
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
+        "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",
+        "DLOCK_TEST_LOCKS": locks,
+        "DLOCK_TEST_LEDGER": str(tmp_path / "ledger"),
+        "DLOCK_TEST_QUEUE": f"nowhere-{uuid.uuid4().hex[:8]}",
+    }
