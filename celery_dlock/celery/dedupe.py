@@ -22,8 +22,10 @@ to a group or chord) is always sent, without a mark: not sending it would drop t
 the chain, or leave the group waiting for a result under an id that never runs. The body
 lock still guards it.
 
-A message revoked or expired before it ran releases its mark when the worker discards it
-(``revoked``, ``expired``), or at once through ``task.revoke_queued(*args, **kwargs)``; a
+A message revoked before it ran releases its mark at once: a plain revoke from the worker
+that gets the broadcast (:mod:`celery_dlock.celery.revoking`), or
+``task.revoke_queued(*args, **kwargs)`` by the arguments (``revoked``); an expired message
+releases it when a worker discards it (``expired``); a
 child that died mid-task releases it from the parent (``disconnected``); a send that fails
 releases it before ``apply_async`` raises (``failed``). ``send_task`` by name does not pass
 through the task class, so it is not guarded at enqueue; the body lock still guards the run.

@@ -242,8 +242,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     def revoke_queued(self, *args: Any, **kwargs: Any) -> str | None:
         """Revoke this task's message queued under a ``dedupe`` mark for these arguments,
-        releasing the mark at once (a plain ``revoke()`` releases it only when a worker
-        reaches the message); the revoked task's id, or None if none was queued."""
+        releasing the mark at once, without knowing the task's id (a plain ``revoke(id)``
+        releases it from the worker that gets the broadcast: see ``celery.revoking``); the
+        revoked task's id, or None if none was queued."""
         return dedupe.revoke_queued(self, args, kwargs)
 
     # -- running -------------------------------------------------------------------------
