@@ -324,9 +324,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         finally:
             request.dlock_lock = None
 
-    @staticmethod
-    def _started(request: Any) -> None:
+    def _started(self, request: Any) -> None:
         """The body is about to run: an ``until_started`` mark ends now (see dedupe)."""
+        if self.dedupe != "until_started":
+            return  # no look at the request: a missing attribute costs an exception
         on_held = getattr(request, "dlock_on_held", None)
         if on_held is not None:
             on_held()
