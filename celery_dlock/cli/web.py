@@ -81,13 +81,11 @@ def make_app(
 
     @app.errorhandler(HTTPException)
     def _error(exc: HTTPException) -> Response:
-        text = f"{exc.code} {exc.name}: {exc.description}\n"
-        return Response(text, status=exc.code or 500, mimetype="text/plain")
+        return _plain(f"{exc.code} {exc.name}: {exc.description}\n", exc.code or 500)
 
     @app.errorhandler(DLockError)
     def _store_failed(exc: DLockError) -> Response:
-        text = scrub(f"503 the lock store failed: {type(exc).__name__}: {exc}\n")
-        return Response(text, status=503, mimetype="text/plain")
+        return _plain(scrub(f"503 the lock store failed: {type(exc).__name__}: {exc}\n"), 503)
 
     @app.get("/")
     def index() -> Response:
@@ -162,6 +160,13 @@ def make_app(
         )
 
     return app
+
+
+def _plain(text: str, status: int) -> Response:
+    """An error as plain text, which no browser may take for HTML (it may quote a key)."""
+    response = Response(text, status=status, mimetype="text/plain")
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    return response
 
 
 def _page(default_prefix: str) -> Page:

@@ -187,6 +187,16 @@ def test_bad_input_is_a_400_that_names_it(served: Server, path: str, named: str)
     assert named in text and "Traceback" not in text
 
 
+def test_an_error_is_plain_text_that_no_browser_renders_as_html(served: Server) -> None:
+    try:
+        urllib.request.urlopen(f"{served.base}/?key=%01<b>x</b>", timeout=10)
+        raise AssertionError("a control character in the key was accepted")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 400
+        assert exc.headers["Content-Type"].startswith("text/plain")
+        assert exc.headers["X-Content-Type-Options"] == "nosniff"
+
+
 def test_html_in_a_key_is_shown_not_run(pg_store: CliStore, served: Server) -> None:
     held = fill(pg_store)
     try:
@@ -287,6 +297,11 @@ def test_releasing_needs_the_flag_the_secret_and_the_csrf_token(
             == 403
         )  # a form without the cookie: another site's
         assert post(server, jar, {**form, "csrf": csrf, "secret": "guess"})[0] == 403
+        good = {**form, "csrf": csrf, "secret": SECRET}
+        status, text = post(server, jar, {**good, "who": " "})
+        assert status == 400 and "who" in text  # who and why are required
+        status, text = post(server, jar, {**good, "key": "job:\x00<b>"})
+        assert status == 400 and "key" in text
         assert backend.get("job:order:9") is not None  # nothing released so far
         status, text = post(server, jar, {**form, "csrf": csrf, "secret": SECRET})
         assert status == 200, text
