@@ -51,7 +51,11 @@ class Server:
             self.process = subprocess.Popen(
                 [*args, *extra], stdout=out, stderr=out, env=environment(env)
             )
-        eventually(self._up, f"the server on {self.base}")
+        try:
+            eventually(self._up, f"the server on {self.base}")
+        except BaseException:
+            self.stop()
+            raise
 
     def _up(self) -> bool:
         if self.process.poll() is not None:
