@@ -31,8 +31,8 @@ from typing import Any, Literal, TypeVar
 from celery_dlock.backends.base import LockBackend, Place
 from celery_dlock.errors import ConfigurationError, DLockError, LockLostError
 from celery_dlock.events import fields
-from celery_dlock.lock import DEFAULT, Lock, _Default, validate_wait
-from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
+from celery_dlock.lock import DEFAULT, Lock, _Default, end_block, validate_wait
+from celery_dlock.records import Holder, Lease, Outcome, Record
 from celery_dlock.renewal import report_lost
 
 __all__ = ["OFFLOAD_THREADS", "SLICE", "WAIT_THREADS", "AsyncLock", "alock"]
@@ -205,8 +205,13 @@ class AsyncLock:
     ) -> Record | None:
         """Release the lease and record how it ended (see :meth:`Lock.release`). Once
         started, the release finishes even if this coroutine is cancelled."""
+        return await self._end(self._lock.release, outcome, problem, details, result)
+
+    async def _end(self, call: Callable[..., T], *args: Any) -> T:
+        """Stop renewing, then ``call(*args)`` (a release) in the pool: once started it
+        finishes even if this coroutine is cancelled."""
         await self._stop_renewal()
-        future = _pool().submit(self._lock.release, outcome, problem, details, result)
+        future = _pool().submit(call, *args)
         return await asyncio.shield(asyncio.wrap_future(future))
 
     async def current(self) -> Lease | None:
@@ -312,11 +317,8 @@ class AsyncLock:
             await self.release(
                 Outcome.REVOKED, "CancelledError", "the coroutine holding the lock was cancelled"
             )
-        elif exc is not None:
-            problem, details = describe_exception(exc)
-            await self.release(Outcome.FAILED, problem, details)
-        elif await self.release(Outcome.SUCCEEDED) is None:
-            raise LockLostError(first.key, first.fence, "release")
+        else:  # the end of a sync ``with`` block, run off the loop
+            await self._end(end_block, self._lock.release, first, exc)
 
     def __repr__(self) -> str:
         state = "held" if self.lease is not None else "free"
