@@ -4,14 +4,18 @@ coroutine::
     async with celery_dlock.alock("job:123", backend=url, ttl=30, wait=5) as lease:
         await work(fence=lease.fence)
 
-Every store call runs in a bounded pool of threads (``OFFLOAD_THREADS`` for tries, releases
-and renewals, ``WAIT_THREADS`` for waits), never on the event loop, in short steps: one try
-at the key, then a wait of at most ``SLICE`` seconds on the store's own push (Postgres's
-queue of waiters, Redis's wake-up list, inotify), then the next try. A cancelled waiter
-therefore lets go within one step, and nothing it was granted meanwhile stays held: a lease
-granted to a cancelled acquire is released (``revoked``), a place in a store's queue is
-left. Renewal is an asyncio task. The lease and its record are those of a :class:`Lock`, on
-the same stores.
+Where the store has an asyncio client of its own (``LockBackend.async_store``: Redis on
+redis-py's asyncio connections, Postgres on psycopg's ``AsyncConnection``), a lock's calls
+run on the event loop through it. Elsewhere (file, object stores, memory) every store call
+runs in a bounded pool of threads (``OFFLOAD_THREADS`` for tries, releases and renewals,
+``WAIT_THREADS`` for waits), never on the event loop. Either way waiting goes in short
+steps: one try at the key, then a wait of at most ``SLICE`` seconds on the store's own push
+(Postgres's queue of waiters, Redis's wake-up list, inotify), then the next try. A
+cancelled waiter therefore lets go within one step, and nothing it was granted meanwhile
+stays held: a try under way when its caller is cancelled runs to its end, and a lease it
+got is released (``revoked``); a place in a store's queue is left. Renewal is an asyncio
+task. The lease and its record are those of a :class:`Lock`, on the same stores; a success
+that ``once`` keeps is released as :class:`Lock` does, with its retries, in the pool.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
-from celery_dlock.backends.base import LockBackend, Place
-from celery_dlock.errors import ConfigurationError, DLockError, LockLostError
+from celery_dlock import metrics, releasing
+from celery_dlock.backends.base import AsyncStore, LockBackend, Place, remembered, validate_ttl
+from celery_dlock.errors import BackendError, ConfigurationError, DLockError, LockLostError
 from celery_dlock.events import fields
 from celery_dlock.lock import DEFAULT, Lock, _Default, end_block, validate_wait
-from celery_dlock.records import Holder, Lease, Outcome, Record
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
+from celery_dlock.releasing import Ending
 from celery_dlock.renewal import report_lost
 
 __all__ = ["OFFLOAD_THREADS", "SLICE", "WAIT_THREADS", "AsyncLock", "alock"]
@@ -117,6 +123,8 @@ class AsyncLock:
             holder=holder, renew=False, on_lost=self._lost_elsewhere, limit=limit,
             metadata=metadata,
         )  # fmt: skip
+        #: The store's own asyncio client, or None: its calls then run in the pool.
+        self._store = self._lock.backend.async_store()
         self.on_lost = on_lost
         self.renew_in_background = self._lock.ttl is not None if renew is None else renew
         self._renewal: asyncio.Task[None] | None = None
@@ -162,28 +170,61 @@ class AsyncLock:
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
         try:
             while True:
-                lease = await _off(self._lock.attempt, place, orphan=self._release_orphan)
+                lease = await self._attempt(place)
                 if lease is not None:
                     place = None  # used up
                     self._start_renewal()
                     return lease
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise await _off(self._lock.busy_error, limit)
+                    raise self._lock.busy_error(limit, await self.current())
                 pause = SLICE if remaining is None else min(SLICE, remaining)
                 on = random.choice(self._lock.slots) if place is None else place.key
-                block = self.backend.wait
-                place = await _off(block, on, pause, place, orphan=_leave, pool="waits")
+                if self._store is None:
+                    block = self.backend.wait
+                    place = await _off(block, on, pause, place, orphan=_leave, pool="waits")
+                else:
+                    place = await self._store.wait(on, pause, place)
         finally:
             if place is not None:
                 _pool().submit(place.leave)
+
+    async def _attempt(self, place: Place | None) -> Lease | None:
+        """One try at the key (each slot, with a ``limit``), through the store's asyncio
+        client or the pool. A lease granted after the caller was cancelled is released."""
+        if self._store is None:
+            return await _off(self._lock.attempt, place, orphan=self._release_orphan)
+        trying = asyncio.ensure_future(self._try(self._store, place))
+        try:
+            return await asyncio.shield(trying)
+        except asyncio.CancelledError:
+            trying.add_done_callback(self._release_cancelled)
+            raise
+
+    async def _try(self, store: AsyncStore, place: Place | None) -> Lease | None:
+        lock = self._lock
+        holder = lock.next_holder()
+        slots = lock.slots if lock.limit == 1 else random.sample(lock.slots, lock.limit)
+        started = time.perf_counter()
+        try:
+            for slot in slots:
+                mine = place if place is not None and place.key == slot else None
+                lease = await store.try_acquire(slot, holder, lock.ttl, None, mine)
+                if lease is not None:
+                    lock.took(lease, place)
+                    break
+        except BackendError:
+            metrics.store_error(self.backend.name, "acquire")
+            raise
+        metrics.store_call(self.backend.name, "acquire", started)
+        return lease
 
     async def attempt(self) -> Lease | None:
         """One try, without waiting: the lease, now held, or None."""
         if self._lock.lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this AsyncLock")
         self._loop = asyncio.get_running_loop()
-        lease = await _off(self._lock.attempt, None, orphan=self._release_orphan)
+        lease = await self._attempt(None)
         if lease is not None:
             self._start_renewal()
         return lease
@@ -194,7 +235,13 @@ class AsyncLock:
         Raises:
             LockLostError: the lease is no longer ours.
         """
-        return await _off(self._lock.renew, ttl)
+        if self._store is None:
+            return await _off(self._lock.renew, ttl)
+        lease = self.lease
+        if lease is None:
+            raise ConfigurationError(f"lock {self.key!r} is not held by this AsyncLock")
+        new_ttl = self._lock.ttl if ttl is DEFAULT else validate_ttl(ttl)
+        return self._lock.renewed(await self._store.renew(lease, new_ttl))
 
     async def release(
         self,
@@ -205,7 +252,33 @@ class AsyncLock:
     ) -> Record | None:
         """Release the lease and record how it ended (see :meth:`Lock.release`). Once
         started, the release finishes even if this coroutine is cancelled."""
-        return await self._end(self._lock.release, outcome, problem, details, result)
+        lease = self.lease
+        store = self._store
+        if (
+            store is None
+            or lease is None
+            or remembered(outcome, result, lease.holder.task_name) is not None
+        ):
+            # A success that ``once`` keeps is stored with retries: Lock's, in the pool.
+            return await self._end(self._lock.release, outcome, problem, details, result)
+        await self._stop_renewal()
+        ending = self._lock.ending(outcome, problem, details, result)
+        return await asyncio.shield(asyncio.ensure_future(self._release(store, ending)))
+
+    async def _release(self, store: AsyncStore, ending: Ending) -> Record | None:
+        lease = ending.lease
+        started = time.perf_counter()
+        try:
+            record = await store.release(
+                lease, ending.outcome, ending.problem, ending.details, ending.result
+            )
+        except BackendError:
+            metrics.store_error(self.backend.name, "release")
+            raise
+        metrics.store_call(self.backend.name, "release", started)
+        if record is not None:
+            return releasing.settle(self.backend, ending, record)
+        return await _off(releasing.settle, self.backend, ending, None)  # lost: recorded so
 
     async def _end(self, call: Callable[..., T], *args: Any) -> T:
         """Stop renewing, then ``call(*args)`` (a release) in the pool: once started it
@@ -216,7 +289,9 @@ class AsyncLock:
 
     async def current(self) -> Lease | None:
         """The lease on this key now, whoever holds it, or None."""
-        return await _off(self._lock.current)
+        if self._store is None or self._lock.limit > 1:
+            return await _off(self._lock.current)
+        return await self._store.get(self.key)
 
     async def holders(self) -> list[Lease]:
         """Every lease on this key now (on each slot, with a ``limit``)."""
@@ -235,9 +310,12 @@ class AsyncLock:
         renewed_at = time.monotonic()
         while True:
             await asyncio.sleep(ttl / 3)
-            self._renewing = _pool().submit(self._lock.renew)
             try:
-                await asyncio.wrap_future(self._renewing)
+                if self._store is None:
+                    self._renewing = _pool().submit(self._lock.renew)
+                    await asyncio.wrap_future(self._renewing)
+                else:
+                    await self.renew()
             except LockLostError:
                 self._lose()
                 return
@@ -257,10 +335,12 @@ class AsyncLock:
             renewed_at = time.monotonic()
 
     async def _stop_renewal(self) -> None:
-        """Stop renewing, and let a renewal under way finish, so that none races the release."""
+        """Stop renewing, and let a renewal under way finish, so that none races the release
+        (one on the store's asyncio client ends with the renewal task)."""
         task, self._renewal = self._renewal, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
+            await asyncio.wait([task])
         renewing, self._renewing = self._renewing, None
         if renewing is not None and not renewing.done():
             await asyncio.wait([asyncio.wrap_future(renewing)])
@@ -286,6 +366,17 @@ class AsyncLock:
             task = asyncio.ensure_future(outcome)
             _callbacks.add(task)  # kept until done: the loop holds tasks only weakly
             task.add_done_callback(_callbacks.discard)
+
+    def _release_cancelled(self, trying: asyncio.Future[Lease | None]) -> None:
+        """Done callback of a try whose caller was cancelled: its lease, if it got one, is
+        released (``revoked``) by a task of its own."""
+        if trying.cancelled() or trying.exception() is not None or trying.result() is None:
+            return
+        task = asyncio.ensure_future(
+            self.release(Outcome.REVOKED, "CancelledError", "the acquiring coroutine was cancelled")
+        )
+        _callbacks.add(task)
+        task.add_done_callback(_callbacks.discard)
 
     def _release_orphan(self, lease: Lease) -> None:
         """A lease granted to an acquire whose coroutine was cancelled meanwhile."""
@@ -317,8 +408,12 @@ class AsyncLock:
             await self.release(
                 Outcome.REVOKED, "CancelledError", "the coroutine holding the lock was cancelled"
             )
-        else:  # the end of a sync ``with`` block, run off the loop
+        elif self._store is None:  # the end of a sync ``with`` block, run off the loop
             await self._end(end_block, self._lock.release, first, exc)
+        elif exc is not None:
+            await self.release(Outcome.FAILED, *describe_exception(exc))
+        elif await self.release() is None:
+            raise LockLostError(first.key, first.fence, "release")
 
     def __repr__(self) -> str:
         state = "held" if self.lease is not None else "free"

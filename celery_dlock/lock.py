@@ -141,7 +141,7 @@ class Lock:
         self._unwatch: Callable[[], None] | None = None
         self._session_ended = False  # set by the backend's watcher thread
 
-    def _holder(self) -> Holder:
+    def next_holder(self) -> Holder:
         """Who takes the next lease: ``holder``, or this process with a fresh nonce; with
         this lock's ``metadata``."""
         holder = self.holder or Holder.current()
@@ -184,19 +184,17 @@ class Lock:
         limit = self.wait if wait is DEFAULT else validate_wait(wait)
         began = time.monotonic()
         deadline = None if limit is None else began + limit
-        holder = self._holder()
+        holder = self.next_holder()
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
         try:
             while True:
                 lease = self._try(holder, replace, place)
                 if lease is not None:
                     metrics.waited(holder.task_name, time.monotonic() - began)
-                    if place is not None and place.key != lease.key:
-                        place.leave()  # another slot came free first
-                    place = None  # used up
                     if replace is not None:
                         held().discard(replace)  # taken over: kept no longer
-                    self._held(lease)
+                    self.took(lease, place)  # the place is used up, or left for another slot
+                    place = None
                     return lease
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -225,9 +223,9 @@ class Lock:
         if self.limit == 1:
             return self.backend.try_acquire(self.key, holder, self.ttl, replace, place)
         slots = random.sample(self.slots, self.limit)
-        if replace is not None:
-            kept = [slot for slot in slots if _token(self.backend.get(slot)) == replace]
-            slots = kept + [slot for slot in slots if slot not in kept]
+        if replace is not None:  # the slot of the lease it takes over first
+            kept = {lease.key for lease in self.holders() if lease.token == replace}
+            slots.sort(key=lambda slot: slot not in kept)
         for slot in slots:
             mine = place if place is not None and place.key == slot else None
             lease = self.backend.try_acquire(slot, holder, self.ttl, replace, mine)
@@ -236,27 +234,31 @@ class Lock:
         return None
 
     def attempt(self, place: Place | None = None) -> Lease | None:
-        """One try, without waiting and without raising for a busy key: the lease, now
-        held, or None (then :meth:`current` tells who holds the key).
-
-        ``place`` is the caller's place in the store's queue of the key's waiters, from
-        ``backend.wait`` (for a caller that waits its own way, as :class:`AsyncLock` does):
-        used up when the lease is taken, left when another slot was taken instead.
-        """
+        """One try, without waiting or raising for a busy key: the lease, now held, or None
+        (:meth:`current` tells who holds the key). ``place``: the caller's in the store's
+        queue of the key's waiters, from ``backend.wait`` (for a caller that waits its own
+        way, as :class:`AsyncLock` does), used up or left as in :meth:`took`."""
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
-        lease = self._try(self._holder(), None, place)
+        lease = self._try(self.next_holder(), None, place)
         if lease is not None:
-            if place is not None and place.key != lease.key:
-                place.leave()
-            self._held(lease)
+            self.took(lease, place)
         return lease
 
-    def busy_error(self, waited: float | None) -> LockNotAcquiredError:
+    def took(self, lease: Lease, place: Place | None = None) -> None:
+        """Hold ``lease``, taken by one's own call to the store (:class:`AsyncLock`'s
+        asyncio client); ``place``, the caller's, is left if it was for another slot."""
+        if place is not None and place.key != lease.key:
+            place.leave()
+        self._held(lease)
+
+    def busy_error(
+        self, waited: float | None, current: Lease | _Default | None = DEFAULT
+    ) -> LockNotAcquiredError:
         """The error for this key found busy after waiting ``waited`` seconds, naming its
-        holder."""
-        current = self.current()
-        holder = None if current is None else current.holder.describe()
+        holder (``current``, the lease on it, by default read from the store)."""
+        found = self.current() if current is DEFAULT else current
+        holder = None if found is None else found.holder.describe()
         if not waited:
             return LockNotAcquiredError(self.key, holder)
         return LockTimeoutError(self.key, waited, holder)
@@ -293,9 +295,12 @@ class Lock:
         Raises:
             LockLostError: the lease is no longer ours.
         """
-        lease = self._require_lease()
         new_ttl = self.ttl if ttl is DEFAULT else validate_ttl(ttl)
-        renewed = self.backend.renew(lease, new_ttl)
+        return self.renewed(self.backend.renew(self._require_lease(), new_ttl))
+
+    def renewed(self, renewed: Lease | None) -> Lease:
+        """Hold ``renewed``, what a renewal of the held lease gave (None: LockLostError)."""
+        lease = self._require_lease()
         if renewed is None:
             raise LockLostError(lease.key, lease.fence, "renew")
         self._lease = renewed
@@ -326,13 +331,18 @@ class Lock:
             BackendError: the store failed (for a success: still failing after
                 ``success_retry`` seconds).
         """
-        reported = self.lost
-        lease = self.detach()
-        outcome = outcome if type(outcome) is Outcome else Outcome(outcome)
-        ending = Ending(lease, outcome, problem, details, result, reported)
-        if remembered(ending.outcome, result, lease.holder.task_name) is None:
+        ending = self.ending(outcome, problem, details, result)
+        if remembered(ending.outcome, result, ending.lease.holder.task_name) is None:
             return releasing.release(self.backend, ending)
         return releasing.release_success(self.backend, ending, self.success_retry)
+
+    def ending(
+        self, outcome: Outcome, problem: str | None, details: str | None, result: Any
+    ) -> Ending:
+        """Stop holding the lease (:meth:`detach`): what its release is to record."""
+        reported = self.lost
+        outcome = outcome if type(outcome) is Outcome else Outcome(outcome)
+        return Ending(self.detach(), outcome, problem, details, result, reported)
 
     def record_success(self, connection: Any, result: Any) -> Record:
         """Keep this lease's success (``result``) for ``once`` inside the caller's own
@@ -430,7 +440,7 @@ class Lock:
         """Record an attempt that ran nothing under this key (a busy key skipped): a
         ``skipped`` record of a lease with fence 0 and a token of its own."""
         now = time.time()
-        who = holder or self._holder()
+        who = holder or self.next_holder()
         lease = Lease(self.key, new_token(), 0, who, now)
         record = Record(lease, now, Outcome.SKIPPED, problem, details)
         self.backend.add_record(record)
@@ -456,10 +466,6 @@ class Lock:
     def __repr__(self) -> str:
         state = "held" if self._lease is not None else "free"
         return f"<Lock {self.key!r} {state} on {self.backend!r}>"
-
-
-def _token(lease: Lease | None) -> str | None:
-    return None if lease is None else lease.token
 
 
 def end_block(release: Callable[..., Any], first: Lease, exc: BaseException | None) -> None:

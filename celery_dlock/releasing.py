@@ -20,7 +20,7 @@ from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 from celery_dlock.records import DETAILS_LIMIT, Lease, Outcome, Record, truncate_utf8
 
-__all__ = ["Ending", "release", "release_success"]
+__all__ = ["Ending", "release", "release_success", "settle"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -54,6 +54,15 @@ def release(backend: LockBackend, ending: Ending, retrying: bool = False) -> Rec
         metrics.store_error(backend.name, "release")
         raise
     metrics.store_call(backend.name, "release", started)
+    return settle(backend, ending, record, retrying)
+
+
+def settle(
+    backend: LockBackend, ending: Ending, record: Record | None, retrying: bool = False
+) -> Record | None:
+    """The end of a release whose store answered ``record``: counted, or, when the lease
+    was gone (None), recorded ``lost`` (its success kept for ``once``)."""
+    lease = ending.lease
     if record is not None:
         metrics.released(record)
         return record

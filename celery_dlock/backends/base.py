@@ -16,6 +16,7 @@ from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = [
+    "AsyncStore",
     "Capabilities",
     "Check",
     "Diagnosable",
@@ -124,6 +125,37 @@ class Diagnosable(Protocol):
         """Store-specific health checks (persistence, conditional writes...); may raise
         BackendError when the store cannot be reached."""
         ...
+
+
+class AsyncStore(Protocol):
+    """The calls of a lock's life, natively async: a store's own asyncio client, on the
+    running event loop's connections (``LockBackend.async_store``). Each has the contract
+    of the :class:`LockBackend` method of its name; the lease, record and stored form are
+    the same, so a lease taken here may be released through the blocking API."""
+
+    async def try_acquire(
+        self,
+        key: str,
+        holder: Holder,
+        ttl: float | None,
+        replace: str | None = None,
+        place: Place | None = None,
+    ) -> Lease | None: ...
+
+    async def release(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None = None,
+        details: str | None = None,
+        result: Any = None,
+    ) -> Record | None: ...
+
+    async def renew(self, lease: Lease, ttl: float | None) -> Lease | None: ...
+
+    async def get(self, key: str) -> Lease | None: ...
+
+    async def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None: ...
 
 
 def server_time(backend: LockBackend) -> float | None:
@@ -305,6 +337,11 @@ class LockBackend(ABC):
         is a session: the session ended). Returns a function that stops watching, or None
         where leases do not die that way (they expire, and renewal reports the loss, or
         they live as long as this process)."""
+        return None
+
+    def async_store(self) -> AsyncStore | None:
+        """This store's native asyncio client, for :class:`~celery_dlock.AsyncLock`, or
+        None where it has none (its calls then run in a bounded pool of threads)."""
         return None
 
     def close(self) -> None:  # noqa: B027 - optional for stores that hold nothing

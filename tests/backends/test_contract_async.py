@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import subprocess
 import sys
 import threading
@@ -231,3 +232,30 @@ def test_50_coroutines_and_4_processes_on_one_key_never_overlap(
         f"\n{store.backend.name}: loop lag under contention, {len(lags)} ticks: "
         f"median {lags[len(lags) // 2] * 1000:.2f} ms, max {lags[-1] * 1000:.2f} ms"
     )
+
+
+def test_a_store_with_an_asyncio_client_uses_it_and_the_others_the_pool(
+    store: StoreCase,
+) -> None:
+    url = needs_processes(store)
+    script = str(HELPERS / "aio_paths.py")
+    # -X dev -W error: an asyncio connection left open when its loop ends warns, and fails.
+    ran = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", script, url, "job:aio:paths"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr == ""
+    found = json.loads(ran.stdout)
+    assert found["native"] is (store.backend.async_store() is not None)
+    if store.backend.name == "redis":
+        assert found["native"] is True
+    if found["native"]:
+        assert found["pool_threads"] == []  # no call went through a thread
+    else:
+        assert any(name.startswith("dlock-calls") for name in found["pool_threads"])
+    records = store.backend.history(key="job:aio:paths")
+    assert [r.outcome for r in records] == [Outcome.SUCCEEDED] * 3

@@ -93,7 +93,7 @@ def test_url_forms_build_the_connection_they_name() -> None:
     unix = RedisBackend.from_url("unix:///run/redis/redis.sock?db=2&history_maxlen=50")
     assert unix._client.connection["unix_socket_path"] == "/run/redis/redis.sock"
     assert unix._client.connection["db"] == 2
-    assert unix._common[0] == "50"
+    assert unix.calls.common[0] == "50"
 
     default = RedisBackend.from_url("redis://localhost")
     assert default._client.connection["port"] == 6379 and default._client.connection["db"] == 0

@@ -67,7 +67,6 @@ Install
 
 from __future__ import annotations
 
-from dataclasses import replace as with_fields
 from typing import Any, ClassVar
 
 from celery_dlock.backends import mask_url
@@ -78,16 +77,14 @@ from celery_dlock.backends.base import (
     Place,
     remembered,
     success_task,
-    validate_ttl,
 )
 from celery_dlock.backends.redis import history
-from celery_dlock.backends.redis.client import AMBIGUOUS, Client, Connections
+from celery_dlock.backends.redis.aio import AsyncRedis
+from celery_dlock.backends.redis.calls import Calls
+from celery_dlock.backends.redis.client import Client, Connections, doubt
 from celery_dlock.backends.redis.doctor import checks
 from celery_dlock.backends.redis.fields import (
-    encode_json,
-    holder_json,
     lease_from_state,
-    optional_seconds,
     record_fields,
     record_from_fields,
 )
@@ -104,27 +101,14 @@ from celery_dlock.backends.redis.scripts import (
     RELEASE,
     REMEMBER,
     RENEW,
-    bulks,
 )
 from celery_dlock.backends.redis.url import parse_url
 from celery_dlock.errors import BackendError, ConfigurationError
-from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = ["RedisBackend"]
 
 _DAY = 86400.0
-#: How long a release's wake-up waits in the signal list for a waiter, in ms.
-_SIGNAL_MS = "1000"
-#: Longest single BLPOP: a wake-up can be lost (its waiter died before taking the key), so
-#: waiters look again at least this often. ``Lock`` polls every second on its own anyway;
-#: this bounds direct callers, and stays above the contract's 10 s test of the push.
-_FALLBACK = 15.0
-#: Acquires whose outcome is unknown, kept per process until Redis answers again.
-_DOUBTFUL_LIMIT = 1000
-
-
-def _ms(seconds: float) -> str:
-    return str(max(1, round(seconds * 1000)))
 
 
 class RedisBackend(LockBackend):
@@ -164,46 +148,21 @@ class RedisBackend(LockBackend):
             )
         self.url = url
         self._client = Client(connection or {}, retries, url)
-        self._layout = Layout(prefix, buckets)
-        self._common = (str(history_maxlen), _ms(gc_after), _SIGNAL_MS)
-        self._success_ms = _ms(success_ttl)
-        self._restart_ms = "0" if restart_delay == 0 else _ms(restart_delay)
-        # The epoch seen per bucket: knowledge, not a resource, so a forked child keeps it.
-        self._epochs: dict[bytes, bytes] = {}
-        self._holder: tuple[Holder, bytes] | None = None
-        self._segments: dict[tuple[str, int], bytes] = {}
+        self._layout = layout = Layout(prefix, buckets)
+        self.calls = Calls(
+            layout,
+            history_maxlen=history_maxlen,
+            gc_after=gc_after,
+            restart_delay=restart_delay,
+            success_ttl=success_ttl,
+            slack=self._client.slack,
+        )
+        self._async: AsyncRedis | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
         connection, settings = parse_url(url, options)
         return cls(connection, url=mask_url(url), **settings)
-
-    # -- packing -------------------------------------------------------------------------
-
-    def _segment_count(self, numkeys: int) -> int:
-        """How many parts ``_segment(key, numkeys)`` packs."""
-        return 2 + numkeys + len(self._common)
-
-    def _segment(self, key: str, numkeys: int) -> bytes:
-        """The packed parts of a script call on ``key`` that never change: the number of
-        keys, the first ``numkeys`` keys, the shared arguments and the key itself."""
-        segment = self._segments.get((key, numkeys))
-        if segment is None:
-            names = self._layout.names(key)
-            segment = bulks([numkeys, *names[:numkeys], *self._common, names.raw])
-            if len(self._segments) >= 4096:
-                self._segments.clear()
-            self._segments[key, numkeys] = segment
-        return segment
-
-    def _holder_json(self, holder: Holder) -> bytes:
-        """The holder as stored, for the last holder seen (a worker acquires as one)."""
-        cached = self._holder
-        if cached is not None and cached[0] is holder:
-            return cached[1]
-        text = holder_json(holder).encode()
-        self._holder = (holder, text)
-        return text
 
     # -- the contract ----------------------------------------------------------------
 
@@ -215,50 +174,23 @@ class RedisBackend(LockBackend):
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        ttl = validate_ttl(ttl)
         connections = self._client.connections()
         if connections.doubtful:
             self._settle(connections)
-        names = self._layout.names(key)
-        token = new_token()
-        args: list[bytes | str] = [
-            token,
-            "" if ttl is None else _ms(ttl),
-            self._holder_json(holder),
-            self._epochs.get(names.epoch, b""),
-            self._restart_ms,
-            replace or "",
-            "" if replace is None else encode_json(f"continued by its retry: {holder.describe()}"),
-        ]
-        tail = self._segment(key, 7) + bulks(args)
-        count = self._segment_count(7) + len(args)
+        token, count, tail = self.calls.acquire_call(key, holder, ttl, replace)
         try:
             reply = self._client.run(ACQUIRE, count, tail, operation="acquire", key=key)
         except BackendError as exc:
-            # The acquire may have landed with its reply lost: release it once we can.
-            doubtful = connections.doubtful
-            if isinstance(exc.__cause__, AMBIGUOUS) and len(doubtful) < _DOUBTFUL_LIMIT:
-                doubtful.append((key, token))
+            doubt(connections.doubtful, exc, key, token)
             raise
-        parts = reply.split()
-        if parts[-1] != b"-":
-            self._epochs[names.epoch] = parts[-1]
-        if len(parts) == 2:
-            return None
-        fence, acquired, expires, _ = parts
-        return Lease(key, token, int(fence), holder, float(acquired), optional_seconds(expires))
+        return self.calls.acquired(key, holder, token, reply)
 
     def _settle(self, connections: Connections) -> None:
         """Release the leases of acquires whose reply was lost, recorded ``disconnected``."""
-        details = encode_json(
-            "the reply to this acquire was lost; its lease was released once Redis answered"
-        )
         while connections.doubtful:
             key, token = connections.doubtful[0]
-            names = self._layout.names(key)
-            args = [*self._common, names.raw, token, Outcome.DISCONNECTED.value]
-            args += [encode_json("disconnected"), details, "null", "0", ""]
-            self._client.eval(RELEASE, names[:5], args, operation="release", key=key)
+            keys, args = self.calls.settle_call(key, token)
+            self._client.eval(RELEASE, keys, args, operation="release", key=key)
             connections.doubtful.pop(0)
 
     def release(
@@ -270,39 +202,13 @@ class RedisBackend(LockBackend):
         result: Any = None,
     ) -> Record | None:
         outcome = Outcome(outcome)
-        key = lease.key
-        task_name = remembered(outcome, result, lease.holder.task_name)
-        keeps_result = task_name is not None
-        if keeps_result:
-            names = self._layout.names(key)
-            keys = [*names[:5], self._layout.result(key, str(task_name))]
-            head = bulks([6, *keys, *self._common, names.raw])
-        else:
-            head = self._segment(key, 5)
-        args = [
-            lease.token,
-            outcome.value,
-            encode_json(problem),
-            encode_json(details),
-            encode_json(result),
-        ]
-        result_ms = self._success_ms if keeps_result else ""
-        count = self._segment_count(6 if keeps_result else 5) + len(args) + 2
+        count, tail, again = self.calls.release_call(lease, outcome, problem, details, result)
         reply = self._client.run(
-            RELEASE,
-            count,
-            head + bulks([*args, "0", result_ms]),
-            operation="release",
-            key=key,
-            again=lambda: head + bulks([*args, "1", result_ms]),
+            RELEASE, count, tail, operation="release", key=lease.key, again=again
         )
-        if reply == 0:
-            return None
-        released, expires = reply.split()
-        expires_at = optional_seconds(expires)
-        if expires_at != lease.expires_at:
-            lease = with_fields(lease, expires_at=expires_at)
-        return Record(lease, float(released), outcome, problem, details, result)
+        return self.calls.released(
+            reply, lease, outcome=outcome, problem=problem, details=details, result=result
+        )
 
     def add_record(self, record: Record) -> None:
         keys = [self._layout.history(self._layout.bucket(record.key))]
@@ -310,29 +216,24 @@ class RedisBackend(LockBackend):
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
         if task_name is not None:
             keys.append(self._layout.result(record.key, task_name))
-            result_ms = self._success_ms
+            result_ms = self.calls.success_ms
         first_id = max(0, ms_floor(record.released_at) + 2)
-        args = [self._common[0], first_id, result_ms, *record_fields(record)]
+        args = [self.calls.common[0], first_id, result_ms, *record_fields(record)]
         self._client.eval(ADD, keys, args, operation="add_record", key=record.key)
 
     def remember(self, record: Record) -> bool:
         result_key = self._layout.result(record.key, success_task(record))
-        args = [self._success_ms, *record_fields(record)]
+        args = [self.calls.success_ms, *record_fields(record)]
         kept = self._client.eval(REMEMBER, [result_key], args, operation="remember", key=record.key)
         return bool(kept)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
-        ttl = validate_ttl(ttl)
-        tail = self._segment(lease.key, 5) + bulks([lease.token, "" if ttl is None else _ms(ttl)])
-        count = self._segment_count(5) + 2
+        count, tail = self.calls.renew_call(lease, ttl)
         reply = self._client.run(RENEW, count, tail, operation="renew", key=lease.key)
-        if reply == 0:
-            return None
-        return with_fields(lease, expires_at=optional_seconds(reply))
+        return self.calls.renewed(lease, reply)
 
     def get(self, key: str) -> Lease | None:
-        names = self._layout.names(key)
-        state = self._client.eval(PEEK, names[:2], [], operation="get", key=key)
+        state = self._client.eval(PEEK, self.calls.peek_keys(key), [], operation="get", key=key)
         return lease_from_state(key, state) if state else None
 
     def leases(self, prefix: str = "") -> list[Lease]:
@@ -381,7 +282,7 @@ class RedisBackend(LockBackend):
                 key = member.decode("utf-8", "surrogatepass")
                 names = self._layout.names(key)
                 fields = self._client.eval(
-                    EXPIRE, names[:5], [*self._common, member], operation="reap", key=key
+                    EXPIRE, names[:5], [*self.calls.common, member], operation="reap", key=key
                 )
                 if fields:
                     reaped.append(record_from_fields(fields))
@@ -406,20 +307,19 @@ class RedisBackend(LockBackend):
         expires (by Redis's clock), ``timeout`` passes, or the 15 s fallback."""
         if timeout <= 0:
             return None
-        names = self._layout.names(key)
-        # The waiter's note in the state outlives the longest BLPOP by a margin for a slow
-        # client; a waiter slower still wakes by its own timeout.
-        blocking_ms = int((min(timeout, _FALLBACK) + self._client.slack) * 1000)
-        keys = [names.lock, names.quarantine, names.state]
-        left = self._client.eval(PROBE, keys, [blocking_ms], operation="wait", key=key)
-        if left == -2:
-            return None
-        pause = min(timeout, _FALLBACK)
-        if left >= 0:
-            pause = min(pause, left / 1000 + 0.001)
-        if pause >= 0.001:
-            self._client.blpop(names.signal, pause, key)
+        keys, args = self.calls.probe_call(key, timeout)
+        left = self._client.eval(PROBE, keys, args, operation="wait", key=key)
+        pause = self.calls.pause(left, timeout)
+        if pause is not None:
+            self._client.blpop(self._layout.names(key).signal, pause, key)
         return None  # no queue: nothing to keep
+
+    def async_store(self) -> AsyncRedis:
+        """The asyncio client of this backend: the same scripts on redis-py's asyncio
+        connections (one set per event loop)."""
+        if self._async is None:
+            self._async = AsyncRedis(self.calls, self._client)
+        return self._async
 
     def server_time(self) -> float:
         seconds_, micros = self._client.command("server_time", "TIME")

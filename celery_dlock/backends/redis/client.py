@@ -28,10 +28,19 @@ from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.backends.redis.scripts import Script, bulks
 from celery_dlock.errors import BackendError
 
-__all__ = ["AMBIGUOUS", "Client", "Connections"]
+__all__ = ["AMBIGUOUS", "Client", "Connections", "backoff", "doubt"]
 
 #: Failures after which a command may or may not have run: retried, then read back.
 AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
+#: Acquires whose outcome is unknown, kept per process until Redis answers again.
+_DOUBTFUL_LIMIT = 1000
+
+
+def doubt(doubtful: list[tuple[str, str]], exc: BackendError, key: str, token: str) -> None:
+    """Note an acquire of ``key`` as ``token`` that failed with ``exc``: if it may have
+    landed with its reply lost, its lease is released once Redis answers again."""
+    if isinstance(exc.__cause__, AMBIGUOUS) and len(doubtful) < _DOUBTFUL_LIMIT:
+        doubtful.append((key, token))
 
 
 class Connections:
@@ -140,7 +149,7 @@ class Client:
                 attempt += 1
                 if again is not None:
                     tail = again()
-                _backoff(attempt)
+                time.sleep(backoff(attempt))
             except RedisError as exc:
                 raise self.error(operation, key, exc) from exc
 
@@ -168,7 +177,7 @@ class Client:
                 if attempt >= self.retries:
                     raise self.error(operation, None, exc) from exc
                 attempt += 1
-                _backoff(attempt)
+                time.sleep(backoff(attempt))
             except RedisError as exc:
                 raise self.error(operation, None, exc) from exc
 
@@ -188,5 +197,6 @@ class Client:
         self._local.reset()
 
 
-def _backoff(attempt: int) -> None:
-    time.sleep(0.05 * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))
+def backoff(attempt: int) -> float:
+    """Seconds to pause before retry number ``attempt`` (1, 2...) of a failed command."""
+    return float(0.05 * 2 ** (attempt - 1) * random.uniform(0.5, 1.0))

@@ -1,0 +1,223 @@
+"""What each hot call of the Redis backend sends and what its reply means, apart from how
+it is sent: the blocking client (``RedisBackend``) and the asyncio one (``AsyncRedis``)
+share these, so both speak the same scripts the same way.
+
+Each call is a ``*_call`` method that packs it and a method that reads its reply; the
+packed parts that never change for a key are packed once (``segment``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace as with_fields
+from typing import Any
+
+from celery_dlock.backends.base import remembered, validate_ttl
+from celery_dlock.backends.redis.fields import encode_json, holder_json, optional_seconds
+from celery_dlock.backends.redis.layout import Layout
+from celery_dlock.backends.redis.scripts import bulks
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+
+__all__ = ["FALLBACK", "Calls", "ms"]
+
+#: How long a release's wake-up waits in the signal list for a waiter, in ms.
+_SIGNAL_MS = "1000"
+#: Longest single BLPOP: a wake-up can be lost (its waiter died before taking the key), so
+#: waiters look again at least this often. ``Lock`` polls every second on its own anyway;
+#: this bounds direct callers, and stays above the contract's 10 s test of the push.
+FALLBACK = 15.0
+#: The details of a lease released because the reply to its acquire was lost.
+_SETTLED = encode_json(
+    "the reply to this acquire was lost; its lease was released once Redis answered"
+)
+
+
+def ms(seconds: float) -> str:
+    """``seconds`` as whole milliseconds (at least 1), as the scripts take them."""
+    return str(max(1, round(seconds * 1000)))
+
+
+class Calls:
+    """The packing and replies of one backend's script calls.
+
+    Args:
+        layout: where each key's parts live.
+        history_maxlen, gc_after, restart_delay, success_ttl: the backend's options.
+        slack: extra seconds a blocking read may take beyond its own timeout.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        history_maxlen: int,
+        gc_after: float,
+        restart_delay: float,
+        success_ttl: float,
+        slack: float,
+    ) -> None:
+        self.layout = layout
+        #: The arguments every lease-ending script takes first.
+        self.common = (str(history_maxlen), ms(gc_after), _SIGNAL_MS)
+        self.success_ms = ms(success_ttl)
+        self.slack = slack
+        self._restart_ms = "0" if restart_delay == 0 else ms(restart_delay)
+        # The epoch seen per bucket: knowledge, not a resource, so a forked child keeps it.
+        self._epochs: dict[bytes, bytes] = {}
+        self._holder: tuple[Holder, bytes] | None = None
+        self._segments: dict[tuple[str, int], bytes] = {}
+
+    def _segment_count(self, numkeys: int) -> int:
+        """How many parts ``_segment(key, numkeys)`` packs."""
+        return 2 + numkeys + len(self.common)
+
+    def _segment(self, key: str, numkeys: int) -> bytes:
+        """The packed parts of a script call on ``key`` that never change: the number of
+        keys, the first ``numkeys`` keys, the shared arguments and the key itself."""
+        segment = self._segments.get((key, numkeys))
+        if segment is None:
+            names = self.layout.names(key)
+            segment = bulks([numkeys, *names[:numkeys], *self.common, names.raw])
+            if len(self._segments) >= 4096:
+                self._segments.clear()
+            self._segments[key, numkeys] = segment
+        return segment
+
+    def _holder_json(self, holder: Holder) -> bytes:
+        """The holder as stored, for the last holder seen (a worker acquires as one)."""
+        cached = self._holder
+        if cached is not None and cached[0] is holder:
+            return cached[1]
+        text = holder_json(holder).encode()
+        self._holder = (holder, text)
+        return text
+
+    # -- acquire ---------------------------------------------------------------------------
+
+    def acquire_call(
+        self, key: str, holder: Holder, ttl: float | None, replace: str | None
+    ) -> tuple[str, int, bytes]:
+        """The new token, and the part count and packed tail of an ``ACQUIRE``."""
+        ttl = validate_ttl(ttl)
+        token = new_token()
+        args: list[bytes | str] = [
+            token,
+            "" if ttl is None else ms(ttl),
+            self._holder_json(holder),
+            self._epochs.get(self.layout.names(key).epoch, b""),
+            self._restart_ms,
+            replace or "",
+            "" if replace is None else encode_json(f"continued by its retry: {holder.describe()}"),
+        ]
+        tail = self._segment(key, 7) + bulks(args)
+        return token, self._segment_count(7) + len(args), tail
+
+    def acquired(self, key: str, holder: Holder, token: str, reply: bytes) -> Lease | None:
+        """The lease an ``ACQUIRE`` reply grants, or None; the epoch it reports kept."""
+        parts = reply.split()
+        if parts[-1] != b"-":
+            self._epochs[self.layout.names(key).epoch] = parts[-1]
+        if len(parts) == 2:
+            return None
+        fence, acquired, expires, _ = parts
+        return Lease(key, token, int(fence), holder, float(acquired), optional_seconds(expires))
+
+    def settle_call(self, key: str, token: str) -> tuple[Sequence[bytes], list[Any]]:
+        """Keys and arguments of the ``RELEASE`` that ends the lease of an acquire whose
+        reply was lost (recorded ``disconnected``)."""
+        names = self.layout.names(key)
+        args: list[Any] = [*self.common, names.raw, token, Outcome.DISCONNECTED.value]
+        args += [encode_json("disconnected"), _SETTLED, "null", "0", ""]
+        return names[:5], args
+
+    # -- release and renew -----------------------------------------------------------------
+
+    def release_call(
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        problem: str | None,
+        details: str | None,
+        result: Any,
+    ) -> tuple[int, bytes, Callable[[], bytes]]:
+        """Part count and packed tail of a ``RELEASE``, and the tail of its retry."""
+        key = lease.key
+        task_name = remembered(outcome, result, lease.holder.task_name)
+        keeps_result = task_name is not None
+        if keeps_result:
+            names = self.layout.names(key)
+            keys = [*names[:5], self.layout.result(key, str(task_name))]
+            head = bulks([6, *keys, *self.common, names.raw])
+        else:
+            head = self._segment(key, 5)
+        args = [
+            lease.token,
+            outcome.value,
+            encode_json(problem),
+            encode_json(details),
+            encode_json(result),
+        ]
+        result_ms = self.success_ms if keeps_result else ""
+        count = self._segment_count(6 if keeps_result else 5) + len(args) + 2
+        return (
+            count,
+            head + bulks([*args, "0", result_ms]),
+            lambda: head + bulks([*args, "1", result_ms]),
+        )
+
+    @staticmethod
+    def released(
+        reply: Any,
+        lease: Lease,
+        *,
+        outcome: Outcome,
+        problem: str | None,
+        details: str | None,
+        result: Any,
+    ) -> Record | None:
+        """The record a ``RELEASE`` reply stands for, or None (the lease was not ours)."""
+        if reply == 0:
+            return None
+        released, expires = reply.split()
+        expires_at = optional_seconds(expires)
+        if expires_at != lease.expires_at:
+            lease = with_fields(lease, expires_at=expires_at)
+        return Record(lease, float(released), outcome, problem, details, result)
+
+    def renew_call(self, lease: Lease, ttl: float | None) -> tuple[int, bytes]:
+        """Part count and packed tail of a ``RENEW``."""
+        ttl = validate_ttl(ttl)
+        tail = self._segment(lease.key, 5) + bulks([lease.token, "" if ttl is None else ms(ttl)])
+        return self._segment_count(5) + 2, tail
+
+    @staticmethod
+    def renewed(lease: Lease, reply: Any) -> Lease | None:
+        """The lease a ``RENEW`` reply extends, or None (it was not ours)."""
+        if reply == 0:
+            return None
+        return with_fields(lease, expires_at=optional_seconds(reply))
+
+    # -- reading and waiting ---------------------------------------------------------------
+
+    def peek_keys(self, key: str) -> Sequence[bytes]:
+        """The keys of the ``PEEK`` of ``key``'s state."""
+        return self.layout.names(key)[:2]
+
+    def probe_call(self, key: str, timeout: float) -> tuple[list[bytes], list[Any]]:
+        """Keys and arguments of the ``PROBE`` before a wait of ``timeout`` seconds."""
+        names = self.layout.names(key)
+        # The waiter's note in the state outlives the longest BLPOP by a margin for a slow
+        # client; a waiter slower still wakes by its own timeout.
+        blocking_ms = int((min(timeout, FALLBACK) + self.slack) * 1000)
+        return [names.lock, names.quarantine, names.state], [blocking_ms]
+
+    @staticmethod
+    def pause(left: int, timeout: float) -> float | None:
+        """How long to block on the signal list after a ``PROBE`` that answered ``left``
+        (ms until the lease expires, -1: no expiry, -2: free), or None: not at all."""
+        if left == -2:
+            return None
+        pause = min(timeout, FALLBACK)
+        if left >= 0:
+            pause = min(pause, left / 1000 + 0.001)
+        return pause if pause >= 0.001 else None
