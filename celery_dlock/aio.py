@@ -186,7 +186,9 @@ class AsyncLock:
                 else:
                     place = await self._store.wait(on, pause, place)
         finally:
-            if place is not None:
+            if place is not None and self._store is not None:
+                place.leave()  # the asyncio client's: left by a task of the loop
+            elif place is not None:
                 _pool().submit(place.leave)
 
     async def _attempt(self, place: Place | None) -> Lease | None:

@@ -4,6 +4,7 @@ takeover, and URL options."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -16,11 +17,13 @@ from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = [
+    "LoopLocal",
     "ProcessLocal",
     "expired",
     "expiry",
     "flag",
     "retried",
+    "retried_details",
     "url_options",
     "wall_clock",
 ]
@@ -85,6 +88,29 @@ class ProcessLocal(Generic[T]):
 os.register_at_fork(after_in_child=ProcessLocal._after_fork_in_child)
 
 
+class LoopLocal(Generic[T]):
+    """An object made lazily once per running event loop, and per process: an asyncio
+    connection belongs to the loop that opened it (and a forked child makes its own)."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._made: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, T]]
+        self._made = weakref.WeakKeyDictionary()
+
+    def get(self) -> T:
+        """The running loop's object (made now if it has none)."""
+        loop = asyncio.get_running_loop()
+        found = self._made.get(loop)
+        if found is None or found[0] != os.getpid():
+            found = self._made[loop] = (os.getpid(), self._factory())
+        return found[1]
+
+    def values(self) -> list[T]:
+        """The objects of this process's loops that are still alive."""
+        pid = os.getpid()
+        return [value for owner, value in list(self._made.values()) if owner == pid]
+
+
 def expired(lease: Lease, now: float) -> bool:
     """Whether ``lease`` has run past its expiry at time ``now``."""
     return lease.expires_at is not None and lease.expires_at <= now
@@ -92,8 +118,12 @@ def expired(lease: Lease, now: float) -> bool:
 
 def retried(lease: Lease, successor: Holder, now: float) -> Record:
     """The record of ``lease`` taken over by ``successor``, the retry of its own task."""
-    details = f"continued by its retry: {successor.describe()}"
-    return Record(lease, now, Outcome.RETRIED, None, details)
+    return Record(lease, now, Outcome.RETRIED, None, retried_details(successor))
+
+
+def retried_details(successor: Holder) -> str:
+    """The details recorded on a lease taken over by ``successor``, its own task's retry."""
+    return f"continued by its retry: {successor.describe()}"
 
 
 def expiry(now: float, ttl: float | None) -> float | None:

@@ -8,10 +8,12 @@ such module; a store whose server is missing calls ``tests.support.unavailable``
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -45,3 +47,23 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreCase]
 @pytest.fixture
 def backend(store: StoreCase) -> LockBackend:
     return store.backend
+
+
+@pytest.fixture
+def admin() -> Iterator[Any]:
+    """A connection to the Postgres server of the tests, as its superuser."""
+    from tests.backends.stores.postgres import admin_connection
+
+    conn = admin_connection()
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def schema(admin: Any) -> Iterator[str]:
+    """A fresh Postgres schema name, dropped afterwards."""
+    from tests.backends.stores.postgres import drop_schema
+
+    name = f"dlock_t_{os.urandom(6).hex()}"
+    yield name
+    drop_schema(admin, name)

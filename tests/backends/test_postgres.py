@@ -24,7 +24,7 @@ import pytest
 from celery_dlock import ConfigurationError, Holder, Lease, Lock, Outcome
 from celery_dlock.backends import backend_from_url
 from celery_dlock.records import DETAILS_LIMIT
-from tests.backends.stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
+from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.support import eventually, force_release
 from tests.support.holders import kill, spawn_holder
 from tests.support.services import lease_session_pids
@@ -36,20 +36,6 @@ from celery_dlock.backends.postgres.sql import FENCE_GAP, FENCE_START  # noqa: E
 
 T = TypeVar("T")
 Backends = Callable[..., PostgresBackend]
-
-
-@pytest.fixture
-def admin() -> Iterator[Any]:
-    conn = admin_connection()
-    yield conn
-    conn.close()
-
-
-@pytest.fixture
-def schema(admin: Any) -> Iterator[str]:
-    name = f"dlock_t_{os.urandom(6).hex()}"
-    yield name
-    drop_schema(admin, name)
 
 
 @pytest.fixture
@@ -323,7 +309,7 @@ def test_retry_taking_over_from_another_client_frees_the_old_advisory_lock(
 ) -> None:
     import celery_dlock.backends.postgres as module
 
-    monkeypatch.setattr(module, "_SWEEP_EVERY", 0.0)
+    monkeypatch.setattr(module, "SWEEP_EVERY", 0.0)
     first, second = backends(), backends()
     old = first.try_acquire("job:retry", holder("t"), None)
     assert old is not None

@@ -30,11 +30,9 @@ from celery_dlock.backends.postgres.sql import Names
 from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.backends.test_postgres import (
     Backends,
-    admin,  # noqa: F401
     backend,  # noqa: F401
     backends,  # noqa: F401
     holder,
-    schema,  # noqa: F401
     session_pid,
     url,  # noqa: F401
 )

@@ -76,8 +76,10 @@ from celery_dlock.backends.base import (
     success_task,
     validate_ttl,
 )
-from celery_dlock.backends.common import ProcessLocal
+from celery_dlock.backends.common import ProcessLocal, retried_details
 from celery_dlock.backends.postgres import rows, transactional, waiting
+from celery_dlock.backends.postgres.aio import AsyncPostgres
+from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url
 from celery_dlock.backends.postgres.recovery import (
     SessionEnded,
@@ -86,15 +88,13 @@ from celery_dlock.backends.postgres.recovery import (
     undo_acquire,
     using_session,
 )
-from celery_dlock.backends.postgres.session import Client, Queued, Session, migrate
+from celery_dlock.backends.postgres.session import SWEEP_EVERY, Client, Queued, Session, migrate
 from celery_dlock.errors import AlreadySucceededError
-from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, new_token
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["LIBPQ_PARAMETERS", "PostgresBackend"]
 
 _PRUNE_BATCH = 10_000
-#: Seconds between sweeps of the advisory locks a session holds (see ``_sweep``).
-_SWEEP_EVERY = 1.0
 
 
 class PostgresBackend(LockBackend):
@@ -120,6 +120,7 @@ class PostgresBackend(LockBackend):
             lambda: Client(self._config), forget=Client.forget_inherited
         )
         self._holder_cache: tuple[Holder, str] | None = None
+        self._async: AsyncPostgres | None = None
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
@@ -171,7 +172,7 @@ class PostgresBackend(LockBackend):
         """One attempt under the session mutex: (fence, acquired_at, expires_at) or None."""
         try:
             with using_session(client, self.url, "acquire") as session:
-                if session.held and time.monotonic() - session.swept > _SWEEP_EVERY:
+                if session.held and time.monotonic() - session.swept > SWEEP_EVERY:
                     self._sweep(session)
                 statement = self._sql.acquire_politely if polite else self._sql.acquire
                 row = session.one(statement, params)
@@ -192,7 +193,7 @@ class PostgresBackend(LockBackend):
     def _take_over(self, session: Session, holder: Holder, params: dict[str, Any]) -> Any:
         """Take the key from a holder that is gone, expired or being replaced by its retry,
         recording the old lease in the same statement; None while its holder lives."""
-        params["retried"] = f"continued by its retry: {holder.describe()}"
+        params["retried"] = retried_details(holder)
         params["held"] = list(session.held)
         row = session.one(self._sql.take_over, params)
         if row is None:
@@ -202,9 +203,19 @@ class PostgresBackend(LockBackend):
         return row[1:6]
 
     def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None] | None:
-        """Report ``lease`` lost within about a second if this process's lock session ends
-        (server restart, ``pg_terminate_backend``, a broken connection) while it is held."""
+        """Report ``lease`` lost within about a second if the lock session that holds it (this
+        process's, or a loop's asyncio one) ends while it is held (server restart,
+        ``pg_terminate_backend``, a broken connection)."""
+        if self._async is not None and self._async.holds(lease.fence):
+            return self._async.watch(lease, on_lost)
         return self._clients.get().watch(lease, on_lost)
+
+    def async_store(self) -> AsyncPostgres:
+        """The asyncio client of this backend: a lock session per event loop, on psycopg's
+        ``AsyncConnection``, with this backend's statements and liveness."""
+        if self._async is None:
+            self._async = AsyncPostgres(self._config, self._clients, self._holder_json)
+        return self._async
 
     def _sweep(self, session: Session) -> None:
         """Let go of advisory locks whose lease is gone without our release: taken over by
@@ -223,30 +234,15 @@ class PostgresBackend(LockBackend):
         details: str | None = None,
         result: Any = None,
     ) -> Record | None:
-        outcome = Outcome(outcome)
-        problem = rows.text(problem, rows.PROBLEM_LIMIT)
-        details = rows.text(details, DETAILS_LIMIT)
-        result_json, result = rows.result_json(result)
-        params: dict[str, Any] = {"key": lease.key, "token": lease.token}
-        params |= {"outcome": outcome.value, "problem": problem, "details": details}
-        params["result"] = result_json
-        if remembered(outcome, result, lease.holder.task_name) is not None:
-            statement = self._sql.release_success
-        elif problem is None and details is None and result_json is None:
-            statement = self._sql.release_bare
-        else:
-            statement = self._sql.release
+        call = Release(self._sql, lease, outcome, problem=problem, details=details, result=result)
         client = self._clients.get()
         with client.mutex:
-            row = self._release(client, lease, outcome, statement, params)
+            row = self._release(client, lease, call.outcome, call.statement, call.params)
         if row is None or isinstance(row, Record):
             return row
         if row[5]:
             client.yield_to_waiters(lease.key)
-        if row[1] == Outcome.EXPIRED.value and outcome is not Outcome.EXPIRED:
-            return None  # it ran out before the release: recorded as expired
-        held = Lease(lease.key, lease.token, lease.fence, lease.holder, row[2], row[3])
-        return Record(held, row[0], outcome, problem, details, result)
+        return call.record(row)
 
     def _release(
         self,

@@ -114,6 +114,24 @@ class Config:
         Raises:
             BackendError: the server cannot be reached or refuses us.
         """
+        try:
+            return psycopg.Connection.connect(
+                self.conninfo, autocommit=autocommit, **self.connection_options(role)
+            )
+        except psycopg.Error as exc:
+            raise translate(exc, f"connecting ({role})", self.url) from exc
+
+    async def aconnect(self, role: str) -> psycopg.AsyncConnection[Any]:
+        """``connect`` for asyncio: a new autocommit ``AsyncConnection`` for ``role``."""
+        try:
+            return await psycopg.AsyncConnection.connect(
+                self.conninfo, autocommit=True, **self.connection_options(role)
+            )
+        except psycopg.Error as exc:
+            raise translate(exc, f"connecting ({role})", self.url) from exc
+
+    def connection_options(self, role: str) -> dict[str, Any]:
+        """libpq's parameters for a connection of ``role``, beside the conninfo."""
         server = [
             f"-c tcp_keepalives_idle={self.keepalives_idle}",
             f"-c tcp_keepalives_interval={self.keepalives_interval}",
@@ -143,10 +161,7 @@ class Config:
             kwargs["application_name"] = f"celery_dlock {role}"
         if not self.has_connect_timeout:
             kwargs["connect_timeout"] = 10
-        try:
-            return psycopg.Connection.connect(self.conninfo, autocommit=autocommit, **kwargs)
-        except psycopg.Error as exc:
-            raise translate(exc, f"connecting ({role})", self.url) from exc
+        return kwargs
 
 
 def parse_url(url: str, overrides: dict[str, Any]) -> Config:

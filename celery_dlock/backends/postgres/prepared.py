@@ -18,7 +18,7 @@ from psycopg import errors, generators
 from psycopg.adapt import Transformer
 from psycopg.pq import ExecStatus
 
-__all__ = ["PreparedStatements"]
+__all__ = ["AsyncPreparedStatements", "PreparedStatements"]
 
 
 class PreparedStatements:
@@ -42,12 +42,40 @@ class PreparedStatements:
             _check(self.conn.wait(generators.execute(pgconn))[-1])
             self.names.add(prepared.name)
         pgconn.send_query_prepared(prepared.name, [_param(params[n]) for n in prepared.names])
-        result = _check(self.conn.wait(generators.execute(pgconn))[-1])
-        if not result.ntuples:
-            return None
-        self.rows.set_pgresult(result)
-        row: tuple[Any, ...] = self.rows.load_row(0, tuple)
-        return row
+        return _first(self.rows, self.conn.wait(generators.execute(pgconn))[-1])
+
+
+class AsyncPreparedStatements:
+    """:class:`PreparedStatements` on an ``AsyncConnection``: the same statements, names,
+    parameters and rows; only the waiting for the server is the event loop's."""
+
+    __slots__ = ("conn", "names", "rows")
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        self.conn = conn
+        self.names: set[bytes] = set()
+        self.rows = Transformer(conn)
+
+    async def one(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """The first row of ``statement``, or None."""
+        prepared = _prepared(statement)
+        pgconn = self.conn.pgconn
+        if prepared.name not in self.names:
+            pgconn.send_prepare(prepared.name, prepared.text)
+            _check((await self.conn.wait(generators.execute(pgconn)))[-1])
+            self.names.add(prepared.name)
+        pgconn.send_query_prepared(prepared.name, [_param(params[n]) for n in prepared.names])
+        return _first(self.rows, (await self.conn.wait(generators.execute(pgconn)))[-1])
+
+
+def _first(rows: Any, result: Any) -> tuple[Any, ...] | None:
+    """The first row of ``result`` as a cursor would load it, or None; its error if any."""
+    result = _check(result)
+    if not result.ntuples:
+        return None
+    rows.set_pgresult(result)
+    row: tuple[Any, ...] = rows.load_row(0, tuple)
+    return row
 
 
 class _Prepared:

@@ -36,7 +36,18 @@ from celery_dlock.errors import ConfigurationError
 from celery_dlock.events import fields
 from celery_dlock.records import Lease
 
-__all__ = ["Client", "Session", "connection_lost", "migrate"]
+__all__ = [
+    "SWEEP_EVERY",
+    "WATCH_EVERY",
+    "Client",
+    "Session",
+    "connection_lost",
+    "has_ended",
+    "migrate",
+    "missing_tables",
+    "pooled",
+    "tell_lost",
+]
 
 #: Seconds after a release during which a process lets waiters of the key go first.
 _POLITE_FOR = 1.0
@@ -47,11 +58,58 @@ _LEAVER_IDLE = 5.0
 _SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 #: Seconds between two looks at the lock session by the watcher of leases without a ttl.
 WATCH_EVERY = 1.0
+#: Seconds between sweeps of the advisory locks a session holds (``PostgresBackend._sweep``).
+SWEEP_EVERY = 1.0
 
 logger = logging.getLogger("celery_dlock.postgres")
 
 
-def connection_lost(exc: psycopg.Error, conn: psycopg.Connection[Any]) -> bool:
+def missing_tables(config: Config) -> ConfigurationError:
+    """The error for a store whose tables are not there (and ``auto_migrate`` is off)."""
+    return ConfigurationError(
+        f"the celery_dlock tables are missing in schema {config.statements.names.schema!r}: "
+        f"call the backend's migrate() (or `celery dlock migrate`), or add auto_migrate=1 "
+        f"to the URL [{config.url}]"
+    )
+
+
+def pooled(config: Config, pid: int, other: int) -> ConfigurationError:
+    """The error for a lock session whose backend pid changed between two transactions."""
+    return ConfigurationError(
+        f"the lock session's backend pid changed between two transactions ({pid} -> "
+        f"{other}): a transaction-mode pooler (PgBouncer pool_mode=transaction?) is in the "
+        f"way. Session advisory locks need a direct connection or session pooling "
+        f"[{config.url}]"
+    )
+
+
+def has_ended(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
+    """Whether the server ended the session on ``conn``, or its socket did, as far as
+    what is there to read now tells (no round trip; no statement may be under way)."""
+    pgconn = conn.pgconn
+    try:
+        poller = select.poll()  # not select(): descriptors above 1023 are common
+        poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
+        if poller.poll(0):
+            pgconn.consume_input()
+    except (psycopg.Error, OSError):
+        return True
+    return pgconn.status != ConnStatus.OK
+
+
+def tell_lost(ended: list[tuple[Lease, Callable[[Lease], None]]]) -> None:
+    """Call each watcher's ``on_lost`` with its lease, which died with its session."""
+    for lease, on_lost in ended:
+        try:
+            on_lost(lease)
+        except Exception:
+            extra = fields("on_lost_failed", lease)
+            logger.exception("on_lost callback for %s failed", lease.key, extra=extra)
+
+
+def connection_lost(
+    exc: psycopg.Error, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+) -> bool:
     """Whether ``exc`` ended the session on ``conn`` (so a statement may or may not have run)."""
     state = exc.sqlstate
     if conn.closed or conn.broken:
@@ -119,24 +177,14 @@ class Client:
             pid, ready = int(row[0]), bool(row[1])
             if not ready:
                 if not config.auto_migrate:
-                    raise ConfigurationError(
-                        f"the celery_dlock tables are missing in schema "
-                        f"{statements.names.schema!r}: call the backend's migrate() (or "
-                        f"`celery dlock migrate`), or add auto_migrate=1 to the URL "
-                        f"[{config.url}]"
-                    )
+                    raise missing_tables(config)
                 migrate(config)
             # A second transaction: on a transaction-mode pooler it may run on another
             # server connection, where our session advisory locks would not be.
             row = conn.execute(statements.check).fetchone()
             assert row is not None
             if int(row[0]) != pid:
-                raise ConfigurationError(
-                    f"the lock session's backend pid changed between two transactions "
-                    f"({pid} -> {row[0]}): a transaction-mode pooler (PgBouncer "
-                    f"pool_mode=transaction?) is in the way. Session advisory locks need a "
-                    f"direct connection or session pooling [{config.url}]"
-                )
+                raise pooled(config, pid, int(row[0]))
             if not row[1]:
                 with conn.transaction():
                     for statement in statements.restore_guard:
@@ -191,12 +239,7 @@ class Client:
                 idle = not self._watched
                 if idle:
                     self._watcher = None
-            for lease, on_lost in ended:
-                try:
-                    on_lost(lease)
-                except Exception:
-                    extra = fields("on_lost_failed", lease)
-                    logger.exception("on_lost callback for %s failed", lease.key, extra=extra)
+            tell_lost(ended)
             if idle:
                 return
 
@@ -206,16 +249,7 @@ class Client:
         session = self.session
         if session is None:
             return
-        pgconn = session.conn.pgconn
-        try:
-            poller = select.poll()  # not select(): descriptors above 1023 are common
-            poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-            if poller.poll(0):
-                pgconn.consume_input()
-            ended = pgconn.status != ConnStatus.OK
-        except (psycopg.Error, OSError):
-            ended = True
-        if ended:
+        if has_ended(session.conn):
             extra = fields("session_ended", backend=self.config.url)
             logger.warning("the lock session (backend pid %d) ended", session.pid, extra=extra)
             self.drop()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import weakref
 from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
 from typing import Any
@@ -25,6 +23,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from celery_dlock.backends.base import Place
+from celery_dlock.backends.common import LoopLocal
 from celery_dlock.backends.redis.calls import Calls
 from celery_dlock.backends.redis.client import AMBIGUOUS, Client, backoff, doubt
 from celery_dlock.backends.redis.fields import lease_from_state
@@ -39,7 +38,6 @@ class _LoopConnections:
     """One event loop's idle connections, and the acquires whose reply it lost."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
-        self.pid = os.getpid()
         self._make = make
         self._idle: list[Any] = []
         #: (key, token) of acquires whose reply never came: released once Redis answers.
@@ -95,16 +93,9 @@ class AsyncRedis:
         self._client = client
         settings = {**client.connection, "retry": Retry(NoBackoff(), 0)}
         pool = redis.asyncio.Redis(**settings).connection_pool
-        self._make = partial(pool.connection_class, **pool.connection_kwargs)
-        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopConnections]
-        self._loops = weakref.WeakKeyDictionary()
-
-    def _connections(self) -> _LoopConnections:
-        loop = asyncio.get_running_loop()
-        connections = self._loops.get(loop)
-        if connections is None or connections.pid != os.getpid():
-            connections = self._loops[loop] = _LoopConnections(self._make)
-        return connections
+        make = partial(pool.connection_class, **pool.connection_kwargs)
+        self._loops = LoopLocal(lambda: _LoopConnections(make))
+        self._connections = self._loops.get
 
     async def _run(
         self,
@@ -208,7 +199,5 @@ class AsyncRedis:
         return None
 
     async def aclose(self) -> None:
-        """Close the running loop's connections."""
-        connections = self._loops.pop(asyncio.get_running_loop(), None)
-        if connections is not None:
-            await connections.close()
+        """Close the running loop's connections (they also close when the loop ends)."""
+        await self._connections().close()

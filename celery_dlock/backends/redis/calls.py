@@ -13,6 +13,7 @@ from dataclasses import replace as with_fields
 from typing import Any
 
 from celery_dlock.backends.base import remembered, validate_ttl
+from celery_dlock.backends.common import retried_details
 from celery_dlock.backends.redis.fields import encode_json, holder_json, optional_seconds
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.scripts import bulks
@@ -107,7 +108,7 @@ class Calls:
             self._epochs.get(self.layout.names(key).epoch, b""),
             self._restart_ms,
             replace or "",
-            "" if replace is None else encode_json(f"continued by its retry: {holder.describe()}"),
+            "" if replace is None else encode_json(retried_details(holder)),
         ]
         tail = self._segment(key, 7) + bulks(args)
         return token, self._segment_count(7) + len(args), tail
