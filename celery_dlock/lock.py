@@ -81,8 +81,9 @@ class Lock:
         backend: a :class:`LockBackend`, or a URL (one backend per URL is shared in the
             process).
         key: the full key, e.g. ``job:report:daily``.
-        ttl: seconds a lease lives without renewal; None for no expiry (liveness is then
-            the holder's connection or process, where the backend has one).
+        ttl: seconds a lease lives without renewal; None for the store's ``default_ttl``:
+            no expiry (liveness is then the holder's connection or process, where the
+            backend has one), or the lease length of a store that needs one.
         wait: seconds :meth:`acquire` waits for a busy key; 0 = do not wait, None = no limit.
         holder: who holds; by default this process, with a fresh nonce per acquisition.
         renew: renew the lease from a background thread every ``ttl / 3`` while held
@@ -131,7 +132,7 @@ class Lock:
             if self.limit == 1
             else tuple(validate_key(f"{self.key}#{n}") for n in range(self.limit))
         )
-        self.ttl = validate_ttl(ttl)
+        self.ttl = self.backend.default_ttl if ttl is None else validate_ttl(ttl)
         self.wait = validate_wait(wait)
         self.holder = holder
         self.renew_in_background = self.ttl is not None if renew is None else renew

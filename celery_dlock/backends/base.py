@@ -177,6 +177,10 @@ class LockBackend(ABC):
 
     #: The URL with its password masked; set by ``from_url``.
     url: str = ""
+    #: The ttl of a lease whose lock gives none: None (no expiry) but on a store whose only
+    #: liveness is a lease's ttl and that will not keep one for ever (Postgres with
+    #: ``liveness=ttl``); a ``Lock`` then renews it.
+    default_ttl: float | None = None
 
     @classmethod
     @abstractmethod

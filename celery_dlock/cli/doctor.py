@@ -91,17 +91,21 @@ def _clock_skew(env: Env) -> Finding:
     )
 
 
-def _diagnose(env: Env) -> list[Finding]:
+def _store_checks(env: Env) -> list[Finding]:
+    """The backend's own ``diagnose()`` findings; raises what it raises."""
     if not isinstance(env.backend, Diagnosable):
         return []
-    try:
-        checks = env.backend.diagnose()
-    except Exception as exc:
-        return [Finding("diagnose", "fail", failure_text(exc))]
     return [
         Finding(check.name, "ok" if check.ok else "fail", " ".join(check.detail.split()))
-        for check in checks
+        for check in env.backend.diagnose()
     ]
+
+
+def _diagnose(env: Env) -> list[Finding]:
+    try:
+        return _store_checks(env)
+    except Exception as exc:
+        return [Finding("diagnose", "fail", failure_text(exc))]
 
 
 def _janitor(env: Env, interval: float | None) -> Finding:
@@ -136,11 +140,15 @@ def _janitor(env: Env, interval: float | None) -> Finding:
 
 
 def run_checks(env: Env, interval: float | None) -> list[Finding]:
-    """Every check, in order; after a failed connect only that one (the rest would only
-    repeat it)."""
+    """Every check, in order; after a failed connect only that one and the store's own
+    checks if they ran (a store that answers but refuses the lock session, its tables
+    missing or a pooler in the way, says why in them; the rest would only repeat it)."""
     first = _connect(env)
     if first.status == "fail":
-        return [first]
+        try:
+            return [first, *_store_checks(env)]
+        except Exception:
+            return [first]
     findings = [first, _capabilities(env)]
     for check in (_clock_skew, _diagnose):
         try:

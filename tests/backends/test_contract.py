@@ -58,6 +58,13 @@ def needs_processes(store: StoreCase) -> str:
 # -- acquire and refuse ----------------------------------------------------------------
 
 
+def no_ttl_expiry(backend: LockBackend, lease: Lease) -> float | None:
+    """The expiry of ``lease``, taken with ``ttl=None``: none, or the store's lease length."""
+    if backend.default_ttl is None:
+        return None
+    return pytest.approx(lease.acquired_at + backend.default_ttl, abs=1e-3)  # type: ignore[no-any-return]
+
+
 def test_acquire_returns_a_lease_with_key_token_fence_and_holder(backend: LockBackend) -> None:
     me = holder()
     lease = backend.try_acquire("job:order:1", me, None)
@@ -66,7 +73,7 @@ def test_acquire_returns_a_lease_with_key_token_fence_and_holder(backend: LockBa
     assert len(lease.token) >= 16
     assert lease.fence >= 1
     assert lease.holder == me
-    assert lease.expires_at is None
+    assert lease.expires_at == no_ttl_expiry(backend, lease)
     assert backend.get("job:order:1") == lease
 
 
@@ -240,7 +247,12 @@ def test_renew_to_no_expiry_keeps_the_lease(store: StoreCase) -> None:
     lease = backend.try_acquire("job:renew-none", holder(), short_ttl(store))
     assert lease is not None
     renewed = backend.renew(lease, None)
-    assert renewed is not None and renewed.expires_at is None
+    assert renewed is not None
+    if backend.default_ttl is not None:  # "no ttl" is the store's own lease length
+        assert renewed.expires_at is not None and lease.expires_at is not None
+        assert renewed.expires_at > lease.expires_at
+        return
+    assert renewed.expires_at is None
     expire(store, lease)
     assert backend.try_acquire("job:renew-none", holder(), None) is None
 

@@ -75,4 +75,4 @@ def test_hand_over_without_a_ttl_is_refused(store: StoreCase) -> None:
     with pytest.raises(ValueError, match="hand_over needs a ttl"):
         backend.hand_over(lease, None)  # type: ignore[arg-type]
     held = backend.get("job:handed-no-ttl")
-    assert held is not None and held.expires_at is None  # unchanged
+    assert held is not None and held.expires_at == lease.expires_at  # unchanged

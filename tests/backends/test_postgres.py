@@ -307,7 +307,7 @@ def test_live_holder_in_this_process_is_never_reaped(backends: Backends) -> None
 def test_retry_taking_over_from_another_client_frees_the_old_advisory_lock(
     backends: Backends, admin: Any, monkeypatch: pytest.MonkeyPatch, schema: str
 ) -> None:
-    import celery_dlock.backends.postgres as module
+    import celery_dlock.backends.postgres.store as module
 
     monkeypatch.setattr(module, "SWEEP_EVERY", 0.0)
     first, second = backends(), backends()

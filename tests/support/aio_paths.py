@@ -10,10 +10,10 @@ import sys
 import threading
 
 from celery_dlock import AsyncLock, Lock, LockTimeoutError, backend_from_url
+from celery_dlock.backends.base import LockBackend
 
 
-async def life(url: str, key: str) -> None:
-    backend = backend_from_url(url)
+async def life(backend: LockBackend, key: str) -> None:
     holder = AsyncLock(backend, key, ttl=30)
     lease = await holder.acquire()
     renewed = await holder.renew()
@@ -33,10 +33,11 @@ async def life(url: str, key: str) -> None:
 def main() -> None:
     url, key = sys.argv[1:3]
     backend = backend_from_url(url)
-    asyncio.run(life(url, key))
+    asyncio.run(life(backend, key))
     # The lease is free for the blocking API too, and its record is there.
     with Lock(backend, key):
         pass
+    backend.close()  # the blocking client's connections, some opened by the pool's threads
     print(
         json.dumps(
             {

@@ -19,6 +19,8 @@ Options
     about 25 s.
     ``max_waiters`` (default 8): waiter connections per process; more threads waiting at
     once than that poll every 25-50 ms instead.
+    ``liveness`` (``session``, the default, or ``ttl``) and ``ttl`` (seconds, required with
+    ``liveness=ttl`` and only then): see "liveness=ttl" below.
     libpq parameters pass through unchanged: ``sslmode``, ``sslrootcert``, ``sslcert``,
     ``sslkey``, ``application_name``, ``connect_timeout`` (default 10), ``options``,
     ``target_session_attrs``... (``LIBPQ_PARAMETERS``). Anything else is an error naming it.
@@ -53,6 +55,20 @@ Guarantees
     transaction-local ``lock_timeout``), and a release wakes that one only. A process that
     releases a key others wait for lets them have it before it takes it again.
 
+liveness=ttl (``PostgresTTLBackend``)
+    For fleets with more worker processes than the server has connections to spare: no
+    session state at all (no advisory lock, no server-side prepared statement, no startup
+    ``options``, nothing ``SET`` beyond a transaction), so every statement may run on
+    another server connection of a transaction-mode pooler (PgBouncer
+    ``pool_mode=transaction``). A lease lives by its ttl alone, judged by the server's
+    clock, as on Redis: a holder that stops renewing (SIGKILL, lost host, partition) loses
+    its key at expiry, recorded ``expired``. A lock that gives no ttl gets the URL's
+    ``ttl``; ``Lock`` renews it every ``ttl / 3`` while held. Waiting polls the key, with
+    pauses doubling from 50 ms to 1 s.
+    The lease row (its backend pid 0), fences, history and ``once`` are the same, and both
+    kinds of lease may share one schema. Commits are synchronous (no ``-c`` option can
+    turn that off through a pooler).
+
 Install
     ``pip install 'celery-dlock[postgres]'`` (psycopg 3); PostgreSQL 12 or newer. Optional:
     SQLAlchemy for :func:`celery_dlock.backends.postgres.schema.metadata` (Alembic).
@@ -60,48 +76,29 @@ Install
 
 from __future__ import annotations
 
-import json
+import random
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from psycopg.types.numeric import Int8
-
-from celery_dlock.backends.base import (
-    Capabilities,
-    LockBackend,
-    Place,
-    hand_over_ttl,
-    remembered,
-    success_task,
-    validate_ttl,
-)
-from celery_dlock.backends.common import ProcessLocal, retried_details
-from celery_dlock.backends.postgres import rows, transactional, waiting
+from celery_dlock.backends.base import Capabilities, Place
 from celery_dlock.backends.postgres.aio import AsyncPostgres
-from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import LIBPQ_PARAMETERS, parse_url
-from celery_dlock.backends.postgres.recovery import (
-    SessionEnded,
-    refuse,
-    resolve_release,
-    undo_acquire,
-    using_session,
-)
-from celery_dlock.backends.postgres.session import SWEEP_EVERY, Client, Queued, Session, migrate
-from celery_dlock.errors import AlreadySucceededError
-from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+from celery_dlock.backends.postgres.store import PostgresStore
+from celery_dlock.records import Holder, Lease
 
-__all__ = ["LIBPQ_PARAMETERS", "PostgresBackend"]
+__all__ = ["LIBPQ_PARAMETERS", "PostgresBackend", "PostgresTTLBackend"]
 
-_PRUNE_BATCH = 10_000
+#: First and longest pause of a ``liveness=ttl`` waiter's polling.
+_POLL_FIRST = 0.05
+_POLL_LONGEST = 1.0
 
 
-class PostgresBackend(LockBackend):
+class PostgresBackend(PostgresStore):
     """Locks in a PostgreSQL table, alive while their holder's lock session holds an
-    advisory lock on the lease's fence. Makes no connection until first used."""
+    advisory lock on the lease's fence. ``from_url`` gives a :class:`PostgresTTLBackend`
+    for a URL with ``liveness=ttl``. Makes no connection until first used."""
 
-    name = "postgres"
     capabilities: ClassVar[Capabilities] = Capabilities(
         liveness="session",
         push_wait=True,
@@ -111,31 +108,30 @@ class PostgresBackend(LockBackend):
         server_clock=True,
     )
 
-    def __init__(self, url: str, **options: Any) -> None:
-        self._config = parse_url(url, options)
-        self.url = self._config.url
-        self.schema = self._config.statements.names.schema
-        self._sql = self._config.statements
-        self._clients: ProcessLocal[Client] = ProcessLocal(
-            lambda: Client(self._config), forget=Client.forget_inherited
-        )
-        self._holder_cache: tuple[Holder, str] | None = None
-        self._async: AsyncPostgres | None = None
-
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresBackend:
+        if cls is PostgresBackend and parse_url(url, options).liveness == "ttl":
+            return PostgresTTLBackend(url, **options)
         return cls(url, **options)
 
-    def migrate(self) -> None:
-        """Create the schema, sequence, tables and indexes if missing (idempotent; safe to
-        run from several processes at once). Needs CREATE rights on the database.
 
-        Raises:
-            BackendError: the server failed or refused.
-        """
-        migrate(self._config)
+class PostgresTTLBackend(PostgresBackend):
+    """``liveness=ttl``: leases alive by their ttl alone (the URL's ``ttl`` when a lock
+    gives none), no state on any session, so that it runs through a transaction-mode
+    pooler; waiters poll."""
 
-    # -- acquire and release -------------------------------------------------------------
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        liveness="lease",
+        push_wait=False,
+        cross_process=True,
+        cross_host=True,
+        durable_history=True,
+        server_clock=True,
+    )
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.default_ttl = self._config.ttl
 
     def try_acquire(
         self,
@@ -145,317 +141,32 @@ class PostgresBackend(LockBackend):
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        ttl = validate_ttl(ttl)
-        params: dict[str, Any] = {"key": key, "token": new_token(), "ttl": ttl}
-        params |= {"holder": self._holder_json(holder), "replace": replace}
-        client = self._clients.get()
-        queued = Queued.of(place, key)
-        # A process that has just released a key for which others wait lets the first of
-        # them have it, instead of taking it straight back (see ``release``).
-        polite = queued is None and replace is None and client.yielding(key)
-        try:
-            with client.mutex:
-                row = self._acquire(client, holder, params, polite=polite)
-        except BaseException:
-            if queued is not None:
-                queued.leave()
-            raise
-        if queued is not None and row is not None:
-            queued.hand_on()  # the next waiter now queues on us, server-side
-        if row is None:
-            return None
-        return Lease(key, params["token"], row[0], holder, row[1], row[2])
-
-    def _acquire(
-        self, client: Client, holder: Holder, params: dict[str, Any], *, polite: bool
-    ) -> Any:
-        """One attempt under the session mutex: (fence, acquired_at, expires_at) or None."""
-        try:
-            with using_session(client, self.url, "acquire") as session:
-                if session.held and time.monotonic() - session.swept > SWEEP_EVERY:
-                    self._sweep(session)
-                statement = self._sql.acquire_politely if polite else self._sql.acquire
-                row = session.one(statement, params)
-                if row is None and polite:
-                    return None  # held, or left to a waiter: either way, not now
-                if row is None:  # held: take over if its holder is gone, expired or replaced
-                    row = self._take_over(session, holder, params)
-        except SessionEnded as ended:
-            raise undo_acquire(client, params, ended, self.url) from ended.__cause__
-        if row is None:
-            return None
-        fence = int(row[0])
-        if not row[3] or row[4] != session.pid:
-            raise refuse(client, params, fence, self.url, pooled=row[4] != session.pid)
-        session.held[fence] = params["key"]
-        return (fence, row[1], row[2])
-
-    def _take_over(self, session: Session, holder: Holder, params: dict[str, Any]) -> Any:
-        """Take the key from a holder that is gone, expired or being replaced by its retry,
-        recording the old lease in the same statement; None while its holder lives."""
-        params["retried"] = retried_details(holder)
-        params["held"] = list(session.held)
-        row = session.one(self._sql.take_over, params)
-        if row is None:
-            return None
-        if row[7] is not None:  # the old lease was this session's: its lock is let go
-            session.held.pop(int(row[6]), None)
-        return row[1:6]
-
-    def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None] | None:
-        """Report ``lease`` lost within about a second if the lock session that holds it (this
-        process's, or a loop's asyncio one) ends while it is held (server restart,
-        ``pg_terminate_backend``, a broken connection)."""
-        if self._async is not None and self._async.holds(lease.fence):
-            return self._async.watch(lease, on_lost)
-        return self._clients.get().watch(lease, on_lost)
-
-    def async_store(self) -> AsyncPostgres:
-        """The asyncio client of this backend: a lock session per event loop, on psycopg's
-        ``AsyncConnection``, with this backend's statements and liveness."""
-        if self._async is None:
-            self._async = AsyncPostgres(self._config, self._clients, self._holder_json)
-        return self._async
-
-    def _sweep(self, session: Session) -> None:
-        """Let go of advisory locks whose lease is gone without our release: taken over by
-        its retry in another process, force-released, or reaped after its ttl."""
-        params = {"fences": list(session.held), "keys": list(session.held.values())}
-        session.cursor.execute(self._sql.sweep, params, prepare=True)
-        for row in session.cursor.fetchall():
-            session.held.pop(int(row[0]), None)
-        session.swept = time.monotonic()
-
-    def release(
-        self,
-        lease: Lease,
-        outcome: Outcome,
-        problem: str | None = None,
-        details: str | None = None,
-        result: Any = None,
-    ) -> Record | None:
-        call = Release(self._sql, lease, outcome, problem=problem, details=details, result=result)
-        client = self._clients.get()
-        with client.mutex:
-            row = self._release(client, lease, call.outcome, call.statement, call.params)
-        if row is None or isinstance(row, Record):
-            return row
-        if row[5]:
-            client.yield_to_waiters(lease.key)
-        return call.record(row)
-
-    def _release(
-        self,
-        client: Client,
-        lease: Lease,
-        outcome: Outcome,
-        statement: str,
-        params: dict[str, Any],
-    ) -> Any:
-        """The release statement under the session mutex: its row, a record read back after
-        the session ended under it, or None."""
-        if lease.fence in client.lost:
-            client.lost.discard(lease.fence)
-            return None
-        try:
-            with using_session(client, self.url, "release") as session:
-                params["unlock"] = unlock = lease.fence in session.held
-                row = session.one(statement, params)
-                if row is None and unlock:  # not ours any more, but its lock still is
-                    session.one(self._sql.unlock, {"fence": lease.fence})
-        except SessionEnded as ended:
-            return resolve_release(client, lease, outcome, ended, self.url)
-        if unlock:
-            session.held.pop(lease.fence, None)
-        return row
-
-    def add_record(self, record: Record) -> None:
-        outcome = Outcome(record.outcome)
-        success = remembered(outcome, record.result, record.lease.holder.task_name) is not None
-        statement = self._sql.add_record_success if success else self._sql.add_record
-        self._write(
-            statement,
-            self._params(record),
-            "add_record",
-        )
-
-    def remember(self, record: Record) -> bool:
-        params = self._params(record)
-        params["task_name"] = success_task(record)
-        return self._write(self._sql.remember, params, "remember") == 1
-
-    def record_success(self, connection: Any, record: Record) -> None:
-        """Keep ``record`` as the ``once`` success of its key and task inside the caller's
-        own transaction on ``connection`` (psycopg 3 or psycopg2 connection or cursor, or a
-        SQLAlchemy ``Session``/``Connection``), so that it commits or rolls back with the
-        caller's writes. Nothing is committed here.
-
-        Raises:
-            AlreadySucceededError: a success is kept already (the caller's transaction must
-                roll back: its effect would be a second one).
-            ConfigurationError: ``connection`` does not reach this store's tables.
-        """
-        params = self._params(record)
-        params["task_name"] = success_task(record)
-        params["fence"] = record.lease.fence
-        tables = f"the tables of schema {self.schema!r} of the lock store [{self.url}]"
-        kept = transactional.execute(connection, self._sql.record_success, params, tables)
-        if not kept:
-            winner = self.last_success(record.key, params["task_name"])
-            fence = -1 if winner is None else winner.lease.fence
-            task_id = None if winner is None else winner.lease.holder.task_id
-            raise AlreadySucceededError(record.key, params["task_name"], fence, task_id)
-
-    def _params(self, record: Record) -> dict[str, Any]:
-        return rows.record_params(record, self._holder_json(record.lease.holder))
+        ttl = self.default_ttl if ttl is None else ttl
+        return super().try_acquire(key, holder, ttl, replace, place)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
-        ttl = validate_ttl(ttl)
-        params = {"key": lease.key, "token": lease.token, "ttl": ttl}
-        client = self._clients.get()
-        with client.mutex:
-            if lease.fence in client.lost:
-                return None
-            try:
-                with using_session(client, self.url, "renew") as session:
-                    row = session.one(self._sql.renew, params)
-            except SessionEnded:
-                return None  # whatever landed, the lease died with the session
-        if row is None:
-            return None
-        return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
-
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
-        """Keep ``lease`` alive by its ttl alone: its row no longer names a session and this
-        session lets go of its advisory lock, so the lease outlives this process."""
-        seconds = hand_over_ttl(ttl)
-        params = {"key": lease.key, "token": lease.token, "ttl": seconds}
-        client = self._clients.get()
-        with client.mutex:
-            if lease.fence in client.lost:
-                return None
-            try:
-                with using_session(client, self.url, "hand_over") as session:
-                    params["unlock"] = unlock = lease.fence in session.held
-                    row = session.one(self._sql.hand_over, params)
-                    if row is None and unlock:  # not ours any more, but its lock still is
-                        session.one(self._sql.unlock, {"fence": lease.fence})
-            except SessionEnded:
-                return None  # the lease died with the session
-            session.held.pop(lease.fence, None)
-        if row is None:
-            return None
-        return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
-
-    # -- reading -----------------------------------------------------------------------------
-
-    def get(self, key: str) -> Lease | None:
-        found = self._read(self._sql.get, {"key": key}, "get")
-        return rows.lease(found[0]) if found else None
-
-    def leases(self, prefix: str = "") -> list[Lease]:
-        return [rows.lease(r) for r in self._read(self._sql.leases, {"prefix": prefix}, "leases")]
-
-    def history(
-        self,
-        key: str | None = None,
-        outcome: Outcome | None = None,
-        since: float | None = None,
-        limit: int | None = 100,
-    ) -> list[Record]:
-        since_at = None if since is None else rows.timestamp(since)
-        outcome_text = None if outcome is None else Outcome(outcome).value
-        statement, params = self._sql.history_of(key, outcome_text, since_at, limit)
-        return [rows.record(r) for r in self._read(statement, params, "history")]
-
-    def last_success(self, key: str, task_name: str) -> Record | None:
-        params = {"key": key, "task_name": task_name}
-        found = self._read(self._sql.last_success, params, "last_success")
-        return rows.record(found[0]) if found else None
-
-    # -- janitor and operator ------------------------------------------------------------------
-
-    def reap(self, limit: int = 100) -> list[Record]:
-        return self._clear(self._sql.reap, {"limit": Int8(limit)}, "reap")
-
-    def _clear(self, statement: str, params: dict[str, Any], what: str) -> list[Record]:
-        """Run a statement that clears leases and returns their records (+ an unlock column)."""
-        client = self._clients.get()
-        with client.mutex, using_session(client, self.url, what) as session:
-            params["held"] = list(session.held)
-            session.cursor.execute(statement, params, prepare=True)
-            found = session.cursor.fetchall()
-            for row in found:
-                if row[-1] is not None:
-                    session.held.pop(int(row[2]), None)
-        return [rows.record(row) for row in found]
-
-    def prune_history(self, before: float) -> int:
-        params = {"before": rows.timestamp(before), "batch": Int8(_PRUNE_BATCH)}
-        pruned = 0
-        while True:
-            deleted = self._write(self._sql.prune, params, "prune_history")
-            pruned += deleted
-            if deleted < _PRUNE_BATCH:
-                return pruned
-
-    def _write(self, statement: str, params: dict[str, Any], what: str) -> int:
-        """Run a statement on the lock session; the number of rows it changed."""
-        client = self._clients.get()
-        with client.mutex, using_session(client, self.url, what) as session:
-            session.cursor.execute(statement, params, prepare=True)
-            return session.cursor.rowcount
-
-    # -- waiting -------------------------------------------------------------------------
+        return super().renew(lease, self.default_ttl if ttl is None else ttl)
 
     def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
-        """Block until ``key``'s holder lets go (or is gone, or its lease expires), at most
-        ``timeout`` seconds, woken by the server; see :func:`waiting.wait`."""
-        client = self._clients.get()
-        return waiting.wait(client, self._sql, self.url, key=key, timeout=timeout, place=place)
+        """Poll ``key`` (one read each) with jittered pauses doubling from 50 ms to 1 s,
+        until it is free or its lease ran out (by this host's clock: an early return costs
+        one more try), or ``timeout`` seconds passed: nothing on the server pushes."""
+        deadline = time.monotonic() + timeout
+        pause = _POLL_FIRST
+        while True:
+            lease = self.get(key)
+            remaining = deadline - time.monotonic()
+            if lease is None or remaining <= 0:
+                return None
+            until_expiry = None if lease.expires_at is None else lease.expires_at - time.time()
+            if until_expiry is not None and until_expiry <= 0:
+                return None
+            nap = min(remaining, pause * random.uniform(0.5, 1.0))
+            time.sleep(nap if until_expiry is None else min(nap, until_expiry + 0.001))
+            pause = min(pause * 2, _POLL_LONGEST)
 
-    # -- the process's connections -------------------------------------------------------
+    def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> None:
+        return None  # a lease expires; renewal reports its loss
 
-    def close(self) -> None:
-        """Close this process's connections. Leases held through them are lost."""
-        self._clients.get().close()
-
-    def session_info(self) -> dict[str, Any]:
-        """The lock session's backend pid and settings (keepalives, commit mode, timeouts),
-        for ``celery dlock doctor`` and tests."""
-        names = [
-            "lock_timeout",
-            "statement_timeout",
-            "synchronous_commit",
-            "idle_session_timeout",
-            "idle_in_transaction_session_timeout",
-            "tcp_keepalives_idle",
-            "tcp_keepalives_interval",
-            "tcp_keepalives_count",
-            "tcp_user_timeout",
-            "server_version_num",
-        ]
-        found = self._read(self._sql.settings, {"names": names}, "session_info")
-        return {str(row[0]): row[1] for row in found}
-
-    def _read(self, statement: str, params: dict[str, Any], what: str) -> list[Any]:
-        """Rows of a read-only statement; tried again on a new session if the old one ended."""
-        client = self._clients.get()
-        with client.mutex:
-            for attempt in (1, 2):
-                try:
-                    with using_session(client, self.url, what) as session:
-                        session.cursor.execute(statement, params, prepare=True)
-                        return session.cursor.fetchall()
-                except SessionEnded:
-                    if attempt == 2:
-                        raise
-        raise AssertionError("unreachable")
-
-    def _holder_json(self, holder: Holder) -> str:
-        cached = self._holder_cache
-        if cached is not None and cached[0] is holder:
-            return cached[1]
-        text = json.dumps(holder.to_dict(), separators=(",", ":"))
-        self._holder_cache = (holder, text)
-        return text
+    def async_store(self) -> AsyncPostgres | None:
+        return None  # the asyncio client keeps a lock session; AsyncLock uses the pool

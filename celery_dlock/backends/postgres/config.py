@@ -66,6 +66,19 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+def _liveness(text: str) -> str:
+    if text not in ("session", "ttl"):
+        raise ValueError("must be session or ttl")
+    return text
+
+
 _OPTIONS: dict[str, Any] = {
     "schema": str,
     "table_prefix": str,
@@ -76,6 +89,8 @@ _OPTIONS: dict[str, Any] = {
     "keepalives_count": _positive,
     "tcp_user_timeout": _positive,
     "max_waiters": _positive,
+    "liveness": _liveness,
+    "ttl": _seconds,
 }
 _DEFAULTS: dict[str, Any] = {
     "schema": "dlock",
@@ -87,6 +102,8 @@ _DEFAULTS: dict[str, Any] = {
     "keepalives_count": 3,
     "tcp_user_timeout": 30_000,
     "max_waiters": 8,
+    "liveness": "session",
+    "ttl": None,
 }
 
 
@@ -104,6 +121,10 @@ class Config:
     keepalives_count: int
     tcp_user_timeout: int
     max_waiters: int
+    #: ``session``, or ``ttl``: leases live by their ttl alone, with no session state.
+    liveness: str
+    #: The ttl of a lease whose lock gives none (``liveness=ttl`` only).
+    ttl: float | None
     user_options: str | None
     has_application_name: bool
     has_connect_timeout: bool
@@ -157,6 +178,14 @@ class Config:
             "tcp_user_timeout": self.tcp_user_timeout,
             "options": " ".join(server),
         }
+        if self.liveness == "ttl":
+            # Through a transaction-mode pooler: no startup options (PgBouncer refuses
+            # them), no server-side prepared statements (psycopg prepares none).
+            kwargs["prepare_threshold"] = None
+            if self.user_options:
+                kwargs["options"] = self.user_options
+            else:
+                del kwargs["options"]
         if not self.has_application_name:
             kwargs["application_name"] = f"celery_dlock {role}"
         if not self.has_connect_timeout:
@@ -192,10 +221,18 @@ def parse_url(url: str, overrides: dict[str, Any]) -> Config:
     except psycopg.Error as exc:
         raise ConfigurationError(f"bad postgres URL {mask_url(url)!r}: {exc}") from None
     named = {name for name, _ in parse_qsl(parts.query)} | set(libpq)
+    if (ours["liveness"] == "ttl") != (ours["ttl"] is not None):
+        raise ConfigurationError(
+            "liveness=ttl needs ttl=SECONDS, the lease length of a lock that gives no ttl "
+            f"(renewed every ttl/3 while held), and ttl= applies to liveness=ttl only "
+            f"[{mask_url(url)}]"
+        )
     return Config(
         conninfo=conninfo,
         url=mask_url(url),
-        statements=Statements(Names(ours["schema"], ours["table_prefix"])),
+        statements=Statements(
+            Names(ours["schema"], ours["table_prefix"]), session=ours["liveness"] == "session"
+        ),
         auto_migrate=bool(ours["auto_migrate"]),
         synchronous_commit=bool(ours["synchronous_commit"]),
         keepalives_idle=int(ours["keepalives_idle"]),
@@ -203,6 +240,8 @@ def parse_url(url: str, overrides: dict[str, Any]) -> Config:
         keepalives_count=int(ours["keepalives_count"]),
         tcp_user_timeout=int(ours["tcp_user_timeout"]),
         max_waiters=int(ours["max_waiters"]),
+        liveness=str(ours["liveness"]),
+        ttl=ours["ttl"],
         user_options=user_options,
         has_application_name="application_name" in named,
         has_connect_timeout="connect_timeout" in named,

@@ -32,6 +32,7 @@ from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
 from celery_dlock.backends.postgres.prepared import PreparedStatements
 from celery_dlock.backends.postgres.sql import ddl
+from celery_dlock.backends.postgres.statements import HANDED_OVER
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.events import fields
 from celery_dlock.records import Lease
@@ -78,8 +79,9 @@ def pooled(config: Config, pid: int, other: int) -> ConfigurationError:
     return ConfigurationError(
         f"the lock session's backend pid changed between two transactions ({pid} -> "
         f"{other}): a transaction-mode pooler (PgBouncer pool_mode=transaction?) is in the "
-        f"way. Session advisory locks need a direct connection or session pooling "
-        f"[{config.url}]"
+        f"way. Session advisory locks need a direct connection or session pooling; or add "
+        f"liveness=ttl&ttl=SECONDS to the URL: leases then live by their ttl alone, which "
+        f"works through a pooler [{config.url}]"
     )
 
 
@@ -120,12 +122,16 @@ def connection_lost(
 class Session:
     """One open lock session: its connection, backend pid and the fences it holds."""
 
-    __slots__ = ("conn", "cursor", "held", "pid", "prepared", "swept")
+    __slots__ = ("conn", "cursor", "held", "pid", "prepare", "prepared", "swept")
 
-    def __init__(self, conn: psycopg.Connection[Any], pid: int) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], pid: int, prepare: bool = True) -> None:
         self.conn = conn
         self.cursor = conn.cursor(binary=True)
+        #: The backend pid the session's leases name: 0 (``HANDED_OVER``) with
+        #: ``liveness=ttl``, whose statements may each run on another server connection.
         self.pid = pid
+        #: Whether statements are prepared on the server (not through a pooler).
+        self.prepare = prepare
         #: fence -> key of every lease whose advisory lock this session holds.
         self.held: dict[int, str] = {}
         #: ``time.monotonic()`` of the last sweep of ``held``.
@@ -135,7 +141,10 @@ class Session:
     def one(self, statement: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         """The first row of ``statement`` (psycopg's ``%(name)s`` placeholders), or None:
         the hot path of every acquire and release (see ``prepared``)."""
-        return self.prepared.one(statement, params)
+        if self.prepare:
+            return self.prepared.one(statement, params)
+        self.cursor.execute(statement, params, prepare=False)
+        return self.cursor.fetchone()
 
 
 class Client:
@@ -183,7 +192,9 @@ class Client:
             # server connection, where our session advisory locks would not be.
             row = conn.execute(statements.check).fetchone()
             assert row is not None
-            if int(row[0]) != pid:
+            if config.liveness == "ttl":
+                pid = HANDED_OVER  # no session stands for a lease
+            elif int(row[0]) != pid:
                 raise pooled(config, pid, int(row[0]))
             if not row[1]:
                 with conn.transaction():
@@ -195,7 +206,7 @@ class Client:
         except BaseException:
             _close_quietly(conn)
             raise
-        self.session = Session(conn, pid)
+        self.session = Session(conn, pid, prepare=config.liveness == "session")
         return self.session
 
     def drop(self) -> None:

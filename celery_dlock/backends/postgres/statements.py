@@ -96,24 +96,26 @@ _ENDED = (
 class Statements:
     """Every statement of the backend, for one schema and table prefix."""
 
-    def __init__(self, names: Names) -> None:
+    def __init__(self, names: Names, *, session: bool = True) -> None:
+        """``session``: leases live while their lock session holds an advisory lock;
+        False (``liveness=ttl``): by their ttl alone, each row's backend pid is
+        ``HANDED_OVER``, and no statement leaves state on the session."""
         self.names = n = names
         self.keys = keys = _Keys(n)
+        pid = "pg_backend_pid()" if session else str(HANDED_OVER)
         # Grants of one key are serialised by a transaction advisory lock on the key, taken
         # before nextval(): INSERT ... ON CONFLICT computes its values before it waits on a
         # conflicting row, and without this an acquirer that waited could be granted with a
         # fence drawn before its predecessor's.
         grant = f"pg_advisory_xact_lock({n.key_space('grant')}, hashtext(%(key)s))"
         queue = f"{n.key_space('queue')}, hashtext(%(key)s)"
-        returning = (
-            f"fence, {_epoch('acquired_at')}, {_epoch('expires_at')}, "
-            f"pg_try_advisory_lock({keys.of('fence')}), pg_backend_pid()"
-        )
+        locked = f"pg_try_advisory_lock({keys.of('fence')})" if session else "true"
+        returning = f"fence, {_epoch('acquired_at')}, {_epoch('expires_at')}, {locked}, {pid}"
         insert = (
             f"INSERT INTO {n.locks} (key, token, fence, holder, acquired_at, expires_at, "
             "backend_pid)\n"
             f"SELECT %(key)s, %(token)s, nextval('{n.fence}'), %(holder)s::json, "
-            f"clock_timestamp(), {_TTL}, pg_backend_pid() FROM {grant}"
+            f"clock_timestamp(), {_TTL}, {pid} FROM {grant}"
         )
         tail = f"\nON CONFLICT (key) DO NOTHING\nRETURNING {returning}"
         self.acquire = (
@@ -126,7 +128,7 @@ class Statements:
             "first in its queue (for a process that has just released the key)\n"
             f"{insert}\nWHERE pg_try_advisory_xact_lock_shared({queue}){tail}"
         )
-        self._take_over(grant, returning)
+        self._take_over(grant, returning, pid)
         self._releasing(queue)
         self.unlock = (
             "-- unlock: fence | let go of the advisory lock of a lease that is no longer ours\n"
@@ -159,7 +161,7 @@ class Statements:
         )
         self._reading(n)
         self._janitor(n)
-        self._session(n)
+        self._session(n, session)
         self._waiting(n)
 
     def _recording(self, n: Names) -> None:
@@ -200,7 +202,7 @@ class Statements:
             "caller\n" + keep.format(source="")
         )
 
-    def _take_over(self, grant: str, returning: str) -> None:
+    def _take_over(self, grant: str, returning: str, pid: str) -> None:
         n, keys = self.names, self.keys
         self.take_over = (
             "-- take_over: key, token, holder, ttl, replace, retried details, fences this "
@@ -217,7 +219,7 @@ class Statements:
             "taken AS (\n"
             f"  UPDATE {n.locks} AS l SET token = %(token)s, fence = nextval('{n.fence}'), "
             "holder = %(holder)s::json, acquired_at = clock_timestamp(), "
-            f"expires_at = {_TTL}, backend_pid = pg_backend_pid()\n"
+            f"expires_at = {_TTL}, backend_pid = {pid}\n"
             "  FROM cur WHERE cur.ended IS NOT NULL AND l.key = cur.key "
             "AND l.token = cur.token AND (cur.ended <> 'expired' "
             "OR l.expires_at <= clock_timestamp())\n"
@@ -226,7 +228,7 @@ class Statements:
             f"  INSERT INTO {n.locks} (key, token, fence, holder, acquired_at, expires_at, "
             "backend_pid)\n"
             f"  SELECT %(key)s, %(token)s, nextval('{n.fence}'), %(holder)s::json, "
-            f"clock_timestamp(), {_TTL}, pg_backend_pid() WHERE NOT EXISTS (SELECT FROM cur)\n"
+            f"clock_timestamp(), {_TTL}, {pid} WHERE NOT EXISTS (SELECT FROM cur)\n"
             "  ON CONFLICT (key) DO NOTHING\n"
             "  RETURNING fence, acquired_at, expires_at),\n"
             "ended AS (\n"
@@ -400,7 +402,13 @@ class Statements:
             "WHERE released_at < %(before)s LIMIT %(batch)s))"
         )
 
-    def _session(self, n: Names) -> None:
+    def _session(self, n: Names, session: bool) -> None:
+        # A lock session must outlive idle_session_timeout; with liveness=ttl nothing is
+        # set on a session (a pooler hands its server connection to others).
+        idle = (
+            ", CASE WHEN current_setting('server_version_num')::int >= 140000 "
+            "THEN set_config('idle_session_timeout', '0', false) END"
+        )
         self.open = (
             "-- open: | backend pid, whether the tables exist; idle_session_timeout off\n"
             "SELECT pg_backend_pid(), "
@@ -408,8 +416,7 @@ class Statements:
                 f"to_regclass('{name}') IS NOT NULL"
                 for name in (n.locks, n.history, n.successes, n.guard, n.fence)
             )
-            + ", CASE WHEN current_setting('server_version_num')::int >= 140000 "
-            "THEN set_config('idle_session_timeout', '0', false) END"
+            + (idle if session else "")
         )
         self.check = (
             "-- check: | backend pid (again, in a second transaction), fence guard present\n"

@@ -1,0 +1,293 @@
+"""``celery dlock doctor`` for Postgres: the server, the schema, a pooler in the way, and room
+for more sessions.
+
+The checks run on two plain connections of their own (``application_name`` ``celery_dlock
+doctor``), closed afterwards, so that a check never disturbs the process's lock session.
+What the schema should hold is read from what ``migrate()`` creates (``ddl``, ``functions``)
+and from the statements the backend runs, so the checks follow the code without a list of
+their own:
+
+- ``schema``: every table, sequence and index of ``migrate()`` exists, each SQL function has
+  the body this version creates, and every statement the backend runs is accepted by the
+  server (prepared, never executed): a column of another version is named.
+- ``pooler``: a transaction-mode pooler hands a client's transactions to whichever server
+  connection is free. Asking a second client to hold a transaction open makes the pooler
+  either give it our server connection (the same backend pid on two clients at once) or give
+  our next transaction another one (our backend pid changes): both are impossible on a direct
+  connection or through session pooling. A pid compared across two transactions of one idle
+  client alone misses it, since PgBouncer hands the most recently freed server connection
+  back. A pooler in session mode keeps each client on one server connection, so session
+  liveness works through it; it shows only as a port that differs from the server's.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+import psycopg
+from psycopg.pq import DiagnosticField, ExecStatus
+
+from celery_dlock.backends.base import Check
+from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.functions import functions
+from celery_dlock.backends.postgres.sql import ddl
+from celery_dlock.backends.postgres.statements import Statements
+
+__all__ = ["SERVER_TIME", "checks"]
+
+SERVER_TIME = (
+    "-- server_time: | the server's clock now (the one expiry is judged by), seconds since "
+    "the epoch\nSELECT extract(epoch FROM clock_timestamp())::float8"
+)
+#: ``server_version_num`` of the oldest server we support.
+MIN_VERSION = 120000
+#: Fail when fewer than this share of the usable sessions are free.
+HEADROOM = 0.1
+#: Seconds our second transaction may wait for a pooler's server connection.
+POOL_WAIT = 5.0
+
+_MIGRATE = "run `celery dlock migrate` (or the backend's migrate(); idempotent)"
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_RELATION = re.compile(
+    r'(?:TABLE|SEQUENCE) IF NOT EXISTS ("[^"]+"\."[^"]+")|INDEX IF NOT EXISTS ("[^"]+")'
+    r'|CONSTRAINT ("[^"]+") PRIMARY KEY'
+)
+_FUNCTION = re.compile(r'FUNCTION "[^"]+"\."([^"]+)"\(.*?\$dlock\$(.*)\$dlock\$\Z', re.DOTALL)
+
+
+def checks(config: Config, liveness: str) -> list[Check]:
+    """The server's version, the schema, a pooler (and whether ``liveness`` works through
+    it) and the sessions left under ``max_connections``.
+
+    Raises:
+        BackendError: the server cannot be reached or failed.
+    """
+    with _connect(config) as conn:
+        try:
+            return [
+                _version(conn),
+                _schema(conn, config.statements),
+                _pooler(conn, config, liveness),
+                _connections(conn, config, liveness),
+            ]
+        except psycopg.Error as exc:
+            raise translate(exc, "diagnose", config.url) from exc
+
+
+def _connect(config: Config, *, autocommit: bool = True) -> psycopg.Connection[Any]:
+    """A plain connection for the checks: the URL's own, without the server settings that
+    the lock session sends as the startup parameter ``options`` (a stock PgBouncer refuses
+    it, and the checks should still say what is in the way) and with no prepared statement.
+
+    Raises:
+        BackendError: the server cannot be reached or refuses us.
+    """
+    kwargs: dict[str, Any] = {"autocommit": autocommit, "prepare_threshold": None}
+    if not config.has_application_name:
+        kwargs["application_name"] = "celery_dlock doctor"
+    if not config.has_connect_timeout:
+        kwargs["connect_timeout"] = 10
+    try:
+        return psycopg.Connection.connect(config.conninfo, **kwargs)
+    except psycopg.Error as exc:
+        raise translate(exc, "connecting (doctor)", config.url) from exc
+
+
+def _one(conn: psycopg.Connection[Any], statement: str, params: Any = None) -> Any:
+    row = conn.execute(statement, params).fetchone()
+    assert row is not None
+    return row
+
+
+def _version(conn: psycopg.Connection[Any]) -> Check:
+    number, text = _one(
+        conn,
+        "-- version: | server_version_num, server_version\n"
+        "SELECT current_setting('server_version_num')::int, current_setting('server_version')",
+    )
+    return Check("postgres version", number >= MIN_VERSION, f"{text} (needs 12 or newer)")
+
+
+def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
+    names = statements.names
+    relations, kinds = [], {"tables and sequences": 0, "indexes": 0}
+    for statement in ddl(names):
+        for table, index, key in _RELATION.findall(statement):
+            relations.append(table or f'"{names.schema}".{index or key}')
+            kinds["tables and sequences" if table else "indexes"] += 1
+    missing = _one(
+        conn,
+        "-- missing: relation names | those that do not exist\n"
+        "SELECT array(SELECT name FROM unnest(%s::text[]) AS name "
+        "WHERE to_regclass(name) IS NULL)",
+        (relations,),
+    )[0]
+    if len(missing) == len(relations):
+        return Check(
+            "schema",
+            False,
+            f"schema {names.schema!r} has none of the celery_dlock tables: {_MIGRATE}, or add "
+            "auto_migrate=1 to the URL",
+        )
+    if missing:
+        return Check("schema", False, f"missing {', '.join(missing)}: {_MIGRATE}")
+    stale = _stale_functions(conn, statements)
+    if stale:
+        return Check(
+            "schema",
+            False,
+            f"SQL functions {', '.join(stale)} differ from this version's: {_MIGRATE} (it "
+            "replaces them)",
+        )
+    tried, misfit = _prepare_all(conn, statements)
+    if misfit:
+        return Check(
+            "schema",
+            False,
+            f"the tables are not this version's: {misfit}; see the CHANGELOG for the migration",
+        )
+    return Check(
+        "schema",
+        True,
+        f"{names.schema!r} is current: "
+        + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        + f" and {len(functions(statements))} functions as this version makes them; the "
+        f"server accepts all {tried} statements the backend runs",
+    )
+
+
+def _stale_functions(conn: psycopg.Connection[Any], statements: Statements) -> list[str]:
+    """Names of the SQL functions that are missing or whose body is not this version's."""
+    wanted = {}
+    for statement in functions(statements):
+        found = _FUNCTION.search(statement)
+        assert found is not None
+        wanted[found.group(1)] = found.group(2)
+    rows = conn.execute(
+        "-- functions: schema, names | (name, body) of those functions\n"
+        "SELECT p.proname, p.prosrc FROM pg_catalog.pg_proc AS p "
+        "WHERE p.pronamespace = to_regnamespace(%s) AND p.proname = ANY(%s)",
+        (f'"{statements.names.schema}"', list(wanted)),
+    ).fetchall()
+    current = {name for name, body in rows if wanted[name] == body}
+    return sorted(set(wanted) - current)
+
+
+def _prepare_all(conn: psycopg.Connection[Any], statements: Statements) -> tuple[int, str]:
+    """Prepare (never run) every single statement of the backend: how many, and the first
+    the server refused, with its error ("" if none)."""
+    history, _ = statements.history_of("k", "failed", None, 1)
+    candidates = [
+        (name, text)
+        for name, text in vars(statements).items()
+        if isinstance(text, str) and text.startswith("--") and ";\n" not in text
+    ]
+    candidates.append(("history", history))
+    for name, text in candidates:
+        result = conn.pgconn.prepare(b"", _numbered(text).encode())
+        if result.status != ExecStatus.COMMAND_OK:
+            raw = result.error_field(DiagnosticField.MESSAGE_PRIMARY) or b"?"
+            state = (result.error_field(DiagnosticField.SQLSTATE) or b"?").decode()
+            return len(candidates), f"{name}: {raw.decode()} (SQLSTATE {state})"
+    return len(candidates), ""
+
+
+def _numbered(statement: str) -> str:
+    """``statement`` with psycopg's ``%(name)s`` placeholders as the server's ``$1``..."""
+    order: dict[str, int] = {}
+    return _PLACEHOLDER.sub(
+        lambda match: f"${order.setdefault(match.group(1), len(order) + 1)}", statement
+    )
+
+
+def _pid(conn: psycopg.Connection[Any]) -> int | None:
+    """The backend pid of ``conn``'s next transaction, or None when a pooler kept it waiting
+    :data:`POOL_WAIT` seconds for a server connection (cancelled then)."""
+    timer = threading.Timer(POOL_WAIT, conn.cancel_safe)
+    timer.start()
+    try:
+        return int(_one(conn, "-- pid: | backend pid\nSELECT pg_backend_pid()")[0])
+    except psycopg.errors.QueryCanceled:
+        return None
+    finally:
+        timer.cancel()
+
+
+def _pooler(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Check:
+    first = _pid(conn)
+    with _connect(config, autocommit=False) as other:
+        other_pid = _pid(other)  # its transaction stays open while we look again
+        second = _pid(conn) if other_pid not in (first, None) else first
+        other.rollback()
+    port = _one(conn, "-- port: | the server's port (NULL on a socket)\nSELECT inet_server_port()")
+    between = port[0] is not None and port[0] != conn.info.port
+    ports = f"connected to port {conn.info.port}, the server listens on {port[0]}"
+    if first is None or other_pid is None:
+        return Check(
+            "pooler",
+            False,
+            f"a client waited {POOL_WAIT:g} s for a server connection: a pooler whose pool is "
+            "full (or an overloaded server)",
+        )
+    if other_pid == first:
+        seen = f"two clients were given the same backend pid {first} at once"
+    elif second is None:
+        seen = f"our second transaction waited {POOL_WAIT:g} s for a server connection"
+    elif second != first:
+        seen = f"the backend pid changed between two transactions ({first} -> {second})"
+    else:
+        proxy = f"; {ports}: a proxy or a pooler in session mode, fine" if between else ""
+        return Check(
+            "pooler",
+            True,
+            f"no transaction pooling: one backend pid ({first}) across transactions{proxy}",
+        )
+    seen += f"; {ports}" if between else ""
+    if liveness != "session":
+        return Check(
+            "pooler",
+            True,
+            f"transaction pooling ({seen}): liveness=ttl keeps no session state, so it works "
+            "through it",
+        )
+    return Check(
+        "pooler",
+        False,
+        f"transaction pooling ({seen}): session liveness needs its lock session's advisory "
+        "locks to last between transactions; connect directly or through session pooling, "
+        "or add liveness=ttl&ttl=SECONDS to the URL",
+    )
+
+
+def _connections(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Check:
+    held = config.statements.keys.held(select="DISTINCT p.pid ")
+    limit, reserved, used, locks, waiters, holding = _one(
+        conn,
+        "-- connections: | max_connections, reserved, client sessions, celery_dlock lock "
+        "and waiter sessions (any schema), sessions holding leases of this schema\n"
+        "SELECT current_setting('max_connections')::int, "
+        "current_setting('superuser_reserved_connections')::int "
+        "+ coalesce(current_setting('reserved_connections', true)::int, 0), "
+        "count(*) FILTER (WHERE a.backend_type = 'client backend'), "
+        "count(*) FILTER (WHERE a.application_name = 'celery_dlock lock'), "
+        "count(*) FILTER (WHERE a.application_name = 'celery_dlock waiter'), "
+        f"(SELECT count(*) FROM ({held}) AS h) FROM pg_catalog.pg_stat_activity AS a",
+    )
+    usable = limit - reserved
+    free = usable - used
+    named = "" if not config.has_application_name else " (this URL names its own application_name)"
+    schema = config.statements.names.schema
+    return Check(
+        "connections",
+        free >= HEADROOM * usable,
+        f"{used} of {usable} usable sessions in use (max_connections {limit}, {reserved} "
+        f"reserved), {free} free; celery_dlock: {locks} lock sessions, {waiters} waiter "
+        f"sessions{named}, {holding} sessions holding leases of {schema!r}; "
+        + (
+            "each worker process needs one lock session, plus one per thread waiting at once"
+            if liveness == "session"
+            else "through a pooler, its server connections are what count here"
+        ),
+    )
