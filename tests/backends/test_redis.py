@@ -223,6 +223,37 @@ def test_acquire_release_and_renew_take_one_round_trip_each(
     backend.close()
 
 
+#: Small enough to cross the counting proxy in one burst (a larger pipeline is answered
+#: while its tail is still on the way, which the proxy would count as more round trips).
+BATCH = 10
+
+
+def test_reap_clears_a_batch_of_expired_leases_in_two_round_trips(
+    proxy: CountingProxy, prefix: str, raw: Any
+) -> None:
+    backend = open_backend(prefix, via(proxy))
+    me = holder()
+
+    def expired_batch(name: str) -> set[str]:
+        keys = {f"job:reap:{name}:{n}" for n in range(BATCH)}
+        assert all(backend.try_acquire(key, me, 0.05) is not None for key in keys)
+        time.sleep(0.2)  # all expired on Redis's clock
+        proxy.reset()
+        return keys
+
+    keys = expired_batch("a")
+    reaped = backend.reap(limit=100)
+    assert sorted(r.key for r in reaped) == sorted(keys)
+    assert {r.outcome for r in reaped} == {Outcome.EXPIRED}
+    assert proxy.round_trips == 2  # the due list, then the whole batch
+    keys = expired_batch("b")
+    raw.execute_command("SCRIPT", "FLUSH")  # the batch meets NOSCRIPT: loaded, run again
+    assert sorted(r.key for r in backend.reap(limit=100)) == sorted(keys)
+    assert backend.reap(limit=100) == []  # each lease recorded once
+    assert len(backend.history(outcome=Outcome.EXPIRED, limit=None)) == 2 * BATCH
+    backend.close()
+
+
 def test_wait_is_one_push_not_a_poll(proxy: CountingProxy, prefix: str) -> None:
     backend = open_backend(prefix, via(proxy))
     other = open_backend(prefix)

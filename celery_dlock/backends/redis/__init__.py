@@ -101,6 +101,7 @@ from celery_dlock.backends.redis.scripts import (
     RELEASE,
     REMEMBER,
     RENEW,
+    bulks,
 )
 from celery_dlock.backends.redis.url import parse_url
 from celery_dlock.errors import BackendError, ConfigurationError
@@ -270,20 +271,22 @@ class RedisBackend(LockBackend):
 
     def reap(self, limit: int = 100) -> list[Record]:
         """Records ``expired`` the leases that Redis expired, found through the index (by
-        expiry, by Redis's clock), never by scanning keys. Concurrent reapers record each
-        lease once: the check and the record are one script."""
+        expiry, by Redis's clock), never by scanning keys, a batch of up to ``limit`` per
+        round trip. Concurrent reapers record each lease once: the check and the record are
+        one script."""
         reaped: list[Record] = []
         for bucket in range(self._layout.buckets):
             room = limit - len(reaped)
             if room <= 0:
                 break
             due = self._client.eval(DUE, [self._layout.index(bucket)], [room], operation="reap")
+            calls = []
             for member in due:
-                key = member.decode("utf-8", "surrogatepass")
-                names = self._layout.names(key)
-                fields = self._client.eval(
-                    EXPIRE, names[:5], [*self.calls.common, member], operation="reap", key=key
-                )
+                names = self._layout.names(member.decode("utf-8", "surrogatepass"))
+                parts = [5, *names[:5], *self.calls.common, member]
+                calls.append((len(parts), bulks(parts)))
+            # One round trip for the batch (the scripts are safe to run twice).
+            for fields in self._client.run_all(EXPIRE, calls, operation="reap") if calls else []:
                 if fields:
                     reaped.append(record_from_fields(fields))
         return reaped

@@ -87,6 +87,29 @@ class Connections:
         finally:
             self._idle.append(connection)
 
+    def send_all(self, commands: list[bytes]) -> list[Any]:
+        """Send packed ``commands`` in one write and read their replies, in order: one
+        round trip for all. A reply that is an error is returned, not raised."""
+        try:
+            connection = self._idle.pop()
+        except IndexError:
+            connection = self._make()
+            self._all.add(connection)
+        try:
+            connection.send_packed_command(commands)
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            connection.disconnect()  # replies may be left unread
+            raise
+        finally:
+            self._idle.append(connection)
+
     def close(self) -> None:
         for connection in list(self._all):
             connection.disconnect()
@@ -165,6 +188,35 @@ class Client:
         """``run`` with keys and arguments as values, for the paths off the hot one."""
         tail = bulks([len(keys), *keys, *args])
         return self.run(script, 1 + len(keys) + len(args), tail, operation=operation, key=key)
+
+    def run_all(
+        self, script: Script, calls: list[tuple[int, bytes]], *, operation: str
+    ) -> list[Any]:
+        """``run`` of ``script`` once per ``(count, tail)`` of ``calls``, pipelined: one
+        round trip for the batch. For scripts that are safe to run twice: a batch that met
+        ``NOSCRIPT`` (``SCRIPT LOAD`` first) or a failed connection runs again whole."""
+        local = self._local.get()
+        attempt = 0
+        while True:
+            try:
+                packed = [b"*%d\r\n%b%b" % (c + 2, script.by_sha, t) for c, t in calls]
+                replies = local.send_all(packed)
+            except AMBIGUOUS as exc:
+                if attempt >= self.retries:
+                    raise self.error(operation, None, exc) from exc
+                attempt += 1
+                time.sleep(backoff(attempt))
+                continue
+            except RedisError as exc:
+                raise self.error(operation, None, exc) from exc
+            failed = next((r for r in replies if isinstance(r, ResponseError)), None)
+            if isinstance(failed, NoScriptError) and attempt == 0:
+                attempt += 1  # the script cache was flushed: load it once, run the batch again
+                self.command(operation, "SCRIPT", "LOAD", script.source)
+                continue
+            if failed is not None:
+                raise self.error(operation, None, failed)
+            return replies
 
     def command(self, operation: str, *args: Any) -> Any:
         """A plain, idempotent command, with the same retries and errors as ``run``."""
