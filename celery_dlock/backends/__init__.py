@@ -34,6 +34,7 @@ BACKENDS: dict[str, tuple[str, str | None]] = {
     "redis": ("celery_dlock.backends.redis:RedisBackend", "redis"),
     "rediss": ("celery_dlock.backends.redis:RedisBackend", "redis"),
     "unix": ("celery_dlock.backends.redis:RedisBackend", "redis"),
+    "redis+cluster": ("celery_dlock.backends.redis:RedisBackend", "redis"),
     "gs": ("celery_dlock.backends.gcs:GCSBackend", "gcs"),
     "s3": ("celery_dlock.backends.s3:S3Backend", "s3"),
 }
@@ -99,10 +100,6 @@ def mask_url(url: str) -> str:
         return "<unparsable URL>"
     if parts.password is None:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    port = f":{parts.port}" if parts.port is not None else ""
-    netloc = f"{user}:***@{host}{port}"
+    userinfo, _, hosts = parts.netloc.rpartition("@")  # hosts: one, or a cluster's list
+    netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -1,8 +1,9 @@
 """Locks in Redis: one Lua script per change, fences, a capped history stream, push wakeups.
 
 URL
-    ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS) and
-    ``unix:///path/to/redis.sock?db=N``, e.g. ``redis://:s3cret@cache:6379/1?prefix=jobs``.
+    ``redis://[[user]:password@]host[:port][/db]``, ``rediss://...`` (TLS),
+    ``unix:///path/to/redis.sock?db=N`` and ``redis+cluster://host:port,host:port`` (a Redis
+    Cluster), e.g. ``redis://:s3cret@cache:6379/1?prefix=jobs``.
 
 Options
     ``prefix`` (default ``dlock``): the namespace of our Redis keys; no braces.
@@ -52,8 +53,10 @@ Guarantees
     may grant it again (redis.io, "distlock"). The epoch check does not see that.
     eviction: Redis must run with ``maxmemory-policy noeviction``: an evicted lock key is
     a lock given away.
-    cluster: each script touches one hash slot, so the layout is cluster-legal; this
-    backend talks to one node (or a proxy) and does not follow ``MOVED`` itself.
+    cluster: each script touches one hash slot, so the layout is cluster-legal; a
+    ``redis+cluster://host:port,host:port`` URL routes each command to its slot's primary,
+    following ``MOVED`` and ``ASK`` (``buckets`` defaults to 16 there); a failover to a
+    replica that lacked the last writes loses those leases (the fence shows it).
     durability: ``durable_history`` is False: history is as durable as Redis's
     persistence, which this backend cannot see.
     wait: ``BLPOP`` on the key's signal list, which each release fills for the first
@@ -67,6 +70,7 @@ Install
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, ClassVar
 
 from celery_dlock.backends import mask_url
@@ -81,7 +85,8 @@ from celery_dlock.backends.base import (
 from celery_dlock.backends.redis import history
 from celery_dlock.backends.redis.aio import AsyncRedis
 from celery_dlock.backends.redis.calls import Calls
-from celery_dlock.backends.redis.client import Client, Connections, doubt
+from celery_dlock.backends.redis.client import Client, Connections, Wire, doubt
+from celery_dlock.backends.redis.cluster import ClusterConnections
 from celery_dlock.backends.redis.doctor import checks
 from celery_dlock.backends.redis.fields import (
     lease_from_state,
@@ -148,7 +153,10 @@ class RedisBackend(LockBackend):
                 f"history_maxlen must be >= 1 and retries >= 0, not {history_maxlen}, {retries}"
             )
         self.url = url
-        self._client = Client(connection or {}, retries, url)
+        settings = dict(connection or {})
+        nodes = settings.pop("cluster_nodes", None)
+        made = Connections if nodes is None else partial(ClusterConnections, nodes=nodes)
+        self._client = Client(settings, retries, url, made)
         self._layout = layout = Layout(prefix, buckets)
         self.calls = Calls(
             layout,
@@ -186,7 +194,7 @@ class RedisBackend(LockBackend):
             raise
         return self.calls.acquired(key, holder, token, reply)
 
-    def _settle(self, connections: Connections) -> None:
+    def _settle(self, connections: Wire) -> None:
         """Release the leases of acquires whose reply was lost, recorded ``disconnected``."""
         while connections.doubtful:
             key, token = connections.doubtful[0]
@@ -317,9 +325,11 @@ class RedisBackend(LockBackend):
             self._client.blpop(self._layout.names(key).signal, pause, key)
         return None  # no queue: nothing to keep
 
-    def async_store(self) -> AsyncRedis:
+    def async_store(self) -> AsyncRedis | None:
         """The asyncio client of this backend: the same scripts on redis-py's asyncio
-        connections (one set per event loop)."""
+        connections (one set per event loop); None for a cluster (the pool then)."""
+        if self._client.cluster:
+            return None
         if self._async is None:
             self._async = AsyncRedis(self.calls, self._client)
         return self._async
@@ -337,7 +347,7 @@ class RedisBackend(LockBackend):
             info.update(line.split(":", 1) for line in text.splitlines() if ":" in line)
         names = self._layout.names("dlock:doctor")
         self._client.eval(PEEK, names[:2], [], operation="diagnose")
-        return checks(info)
+        return checks(info, cluster_client=self._client.cluster)
 
     def close(self) -> None:
         self._client.close()

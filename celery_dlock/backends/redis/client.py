@@ -15,7 +15,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
@@ -28,7 +28,7 @@ from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.backends.redis.scripts import Script, bulks
 from celery_dlock.errors import BackendError
 
-__all__ = ["AMBIGUOUS", "Client", "Connections", "backoff", "doubt"]
+__all__ = ["AMBIGUOUS", "Client", "Connections", "Wire", "backoff", "doubt"]
 
 #: Failures after which a command may or may not have run: retried, then read back.
 AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
@@ -41,6 +41,22 @@ def doubt(doubtful: list[tuple[str, str]], exc: BackendError, key: str, token: s
     landed with its reply lost, its lease is released once Redis answers again."""
     if isinstance(exc.__cause__, AMBIGUOUS) and len(doubtful) < _DOUBTFUL_LIMIT:
         doubtful.append((key, token))
+
+
+class Wire(Protocol):
+    """This process's connections to a Redis, one node's (``Connections``) or a cluster's
+    (``ClusterConnections``)."""
+
+    #: (key, token) of acquires whose reply never came: released once Redis answers.
+    doubtful: list[tuple[str, str]]
+
+    def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any: ...
+
+    def call(self, *args: Any, timeout: float | None = None) -> Any: ...
+
+    def send_all(self, commands: list[bytes]) -> list[Any]: ...
+
+    def close(self) -> None: ...
 
 
 class Connections:
@@ -121,11 +137,19 @@ class Client:
 
     Args:
         connection: keyword arguments for redis-py's ``Redis`` (host, port, db, TLS...).
+        connections: makes this process's connections from ``connection`` (a cluster's:
+            ``ClusterConnections``).
         retries: how often a command whose connection failed is sent again.
         url: the masked URL, for error messages.
     """
 
-    def __init__(self, connection: dict[str, Any], retries: int, url: str) -> None:
+    def __init__(
+        self,
+        connection: dict[str, Any],
+        retries: int,
+        url: str,
+        connections: Callable[[dict[str, Any]], Wire] = Connections,
+    ) -> None:
         self.connection = {
             "socket_timeout": 5.0,
             "socket_connect_timeout": 5.0,
@@ -138,9 +162,11 @@ class Client:
         self.url = url
         #: Extra time a blocking read may take beyond its own timeout.
         self.slack = float(self.connection["socket_timeout"] or 5.0)
-        self._local = ProcessLocal(lambda: Connections(self.connection), Connections.close)
+        #: Whether the connections are a cluster's (``ClusterConnections``).
+        self.cluster = connections is not Connections
+        self._local = ProcessLocal(lambda: connections(self.connection), lambda made: made.close())
 
-    def connections(self) -> Connections:
+    def connections(self) -> Wire:
         """This process's connections (made afresh after a fork)."""
         return self._local.get()
 
@@ -194,7 +220,8 @@ class Client:
     ) -> list[Any]:
         """``run`` of ``script`` once per ``(count, tail)`` of ``calls``, pipelined: one
         round trip for the batch. For scripts that are safe to run twice: a batch that met
-        ``NOSCRIPT`` (``SCRIPT LOAD`` first) or a failed connection runs again whole."""
+        ``NOSCRIPT`` (its first call then sent by its source) or a failed connection runs
+        again."""
         local = self._local.get()
         attempt = 0
         while True:
@@ -210,10 +237,13 @@ class Client:
             except RedisError as exc:
                 raise self.error(operation, None, exc) from exc
             failed = next((r for r in replies if isinstance(r, ResponseError)), None)
-            if isinstance(failed, NoScriptError) and attempt == 0:
-                attempt += 1  # the script cache was flushed: load it once, run the batch again
-                self.command(operation, "SCRIPT", "LOAD", script.source)
-                continue
+            if isinstance(failed, NoScriptError):
+                # Not loaded where the batch runs (a flushed cache, a new node): the first
+                # call by its source loads it there, then the rest of the batch by its SHA.
+                count, tail = calls[0]
+                first = local.send(script.by_source + tail, count + 2)
+                rest = self.run_all(script, calls[1:], operation=operation) if calls[1:] else []
+                return [first, *rest]
             if failed is not None:
                 raise self.error(operation, None, failed)
             return replies

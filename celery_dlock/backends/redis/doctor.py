@@ -7,7 +7,7 @@ from celery_dlock.backends.base import Check
 __all__ = ["checks"]
 
 
-def checks(info: dict[str, str]) -> list[Check]:
+def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
     """The doctor's findings from ``INFO``; scripts ran if we got this far."""
     version = info.get("redis_version", "?")
     major = int(version.split(".")[0]) if version[:1].isdigit() else 0
@@ -28,9 +28,11 @@ def checks(info: dict[str, str]) -> list[Check]:
         Check("role", role == "master", f"{role} (locks are written to the primary)"),
         Check(
             "cluster mode",
-            not cluster,
-            "on: this backend talks to one node and does not follow MOVED; use a proxy or a "
-            "single primary"
+            cluster_client or not cluster,
+            ("on, and the URL is redis+cluster://: commands follow MOVED and ASK")
+            if cluster_client
+            else "on: a redis:// URL talks to one node and does not follow MOVED; use "
+            "redis+cluster://host:port,host:port"
             if cluster
             else "off",
         ),

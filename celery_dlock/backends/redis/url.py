@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.common import flag, url_options
@@ -44,6 +44,8 @@ def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     shown = mask_url(url)
+    if scheme == "redis+cluster":
+        return _cluster(parts, shown, overrides)
     if scheme not in ("redis", "rediss", "unix"):
         raise ConfigurationError(f"not a redis URL: {shown!r}")
     options = url_options("redis", parts.query, _KNOWN, overrides)
@@ -84,4 +86,35 @@ def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict
     if db is not None and db < 0:
         raise ConfigurationError(f"db must be >= 0, not {db}")
     connection["db"] = db or 0
+    return connection, options
+
+
+def _cluster(
+    parts: SplitResult, shown: str, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``redis+cluster://[[user]:password@]host:port[,host:port...][/0][?options]``: the
+    nodes to learn the cluster from; ``buckets`` defaults to 16 (history and index spread
+    over 16 slots)."""
+    options = url_options("redis", parts.query, _KNOWN, overrides)
+    connection = {name: options.pop(name) for name in _CONNECTION if name in options}
+    if any(name in options for name in _TLS) or options.pop("db", 0):
+        raise ConfigurationError(f"a cluster has database 0 only and no TLS here: {shown!r}")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    if user:
+        connection["username"] = unquote(user)
+    if password:
+        connection["password"] = unquote(password)
+    nodes = []
+    for node in hosts.split(","):
+        host, _, port = node.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigurationError(
+                f"a redis+cluster URL names its nodes as host:port,host:port, not {shown!r}"
+            )
+        nodes.append((host.strip("[]"), int(port)))
+    if parts.path.strip("/") not in ("", "0"):
+        raise ConfigurationError(f"a cluster has database 0 only: {shown!r}")
+    connection["cluster_nodes"] = nodes
+    options.setdefault("buckets", 16)
     return connection, options

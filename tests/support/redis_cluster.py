@@ -1,0 +1,145 @@
+"""A real Redis Cluster for the tests: six ``redis-server`` nodes on free local ports,
+three primaries with a replica each (``redis-cli --cluster create``), no persistence,
+started once per run and stopped when it ends. A missing ``redis-server`` is a skip (a
+failure under ``DLOCK_REQUIRE_ALL=1``)."""
+
+from __future__ import annotations
+
+import atexit
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support import unavailable
+
+
+@dataclass
+class Cluster:
+    ports: list[int]
+    folder: Path
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` naming two of the nodes (the client learns the rest)."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]},127.0.0.1:{self.ports[1]}"
+
+    def cli(self, port: int, *args: str) -> str:
+        done = subprocess.run(
+            ["redis-cli", "-p", str(port), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        return done.stdout
+
+    def primary_of(self, key: bytes) -> int:
+        """The port of the primary that serves ``key``'s slot now; 0 while none does (a
+        failover under way)."""
+        slot = int(self.cli(self.ports[0], "CLUSTER", "KEYSLOT", key.decode()).strip())
+        for line in self.cli(self.ports[0], "CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if "master" in fields[2] and "fail" not in fields[2]:
+                for span in fields[8:]:
+                    first, _, last = span.partition("-")
+                    if first.isdigit() and int(first) <= slot <= int(last or first):
+                        return int(fields[1].split(":")[1].split("@")[0])
+        return 0
+
+    def replica_of(self, port: int) -> int:
+        """The port of the replica of the primary on ``port``."""
+        lines = [line.split() for line in self.cli(port, "CLUSTER", "NODES").splitlines()]
+        primary = next(f[0] for f in lines if f[1].startswith(f"127.0.0.1:{port}@"))
+        return next(int(f[1].split(":")[1].split("@")[0]) for f in lines if f[3] == primary)
+
+    def kill(self, port: int) -> None:
+        """SIGKILL the node on ``port``."""
+        self.processes[port].send_signal(signal.SIGKILL)
+        self.processes[port].wait(10)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def start_cluster() -> Cluster:
+    """Six nodes (a node's bus port is its port + 10000), ``cluster_state:ok``."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        unavailable("redis-server is not installed (apt-get install redis-server)")
+    for _ in range(50):
+        base = random.randrange(20000, 25000)
+        ports = list(range(base, base + 6))
+        if all(_free(p) and _free(p + 10000) for p in ports):
+            break
+    folder = Path(tempfile.mkdtemp(prefix="dlock-cluster-"))
+    cluster = Cluster(ports, folder)
+    for port in ports:
+        node = folder / str(port)
+        node.mkdir()
+        cluster.processes[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+             "--cluster-enabled", "yes", "--cluster-config-file", str(node / "nodes.conf"),
+             "--cluster-node-timeout", "2000", "--cluster-replica-validity-factor", "0",
+             "--dir", str(node), "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+    for port in ports:
+        _wait(lambda port=port: cluster.cli(port, "PING").strip() == "PONG", "a node starts")
+    nodes = [f"127.0.0.1:{port}" for port in ports]
+    subprocess.run(
+        ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1",
+         "--cluster-yes"],
+        capture_output=True, timeout=60, check=True,
+    )  # fmt: skip
+    for port in ports:
+        _wait(
+            lambda port=port: "cluster_state:ok" in cluster.cli(port, "CLUSTER", "INFO"),
+            "the cluster is ok",
+        )
+    # Each replica in sync with its primary, so that it can take over from it.
+    replicas = [p for p in ports if "role:slave" in cluster.cli(p, "INFO", "replication")]
+    for port in replicas:
+        _wait(
+            lambda port=port: "master_link_status:up" in cluster.cli(port, "INFO", "replication"),
+            "a replica is in sync",
+        )
+    return cluster
+
+
+def _wait(ready: object, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting until {what}")
+        time.sleep(0.1)
+
+
+_shared: list[Cluster] = []
+
+
+def shared_cluster() -> Cluster:
+    """The run's cluster, started at first use."""
+    if not _shared:
+        _shared.append(start_cluster())
+        atexit.register(_shared[0].stop)
+    return _shared[0]
