@@ -22,6 +22,7 @@ and dropped here.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -87,7 +88,7 @@ def check(sections: list[tuple[str, int, float, float, float]]) -> tuple[int, in
     overlaps = disorder = 0
     for taken in by_key.values():
         taken.sort(key=lambda s: s[2])
-        for before, after in zip(taken, taken[1:]):
+        for before, after in itertools.pairwise(taken):
             overlaps += after[2] < before[3]
             disorder += after[1] <= before[1]
     return overlaps, disorder
@@ -112,7 +113,7 @@ def run(url: str, options: argparse.Namespace) -> dict[str, float]:
                 raise SystemExit(f"a worker failed with exit code {process.returncode}")
         found = [json.loads(Path(log).read_text()) for log in logs]
     sections = [tuple(s) for f in found for s in f["sections"]]
-    overlaps, disorder = check(sections)  # type: ignore[arg-type]
+    overlaps, disorder = check(sections)
     waits = sorted(s[4] for s in sections)
     return {
         "acquires": len(sections),

@@ -1,0 +1,24 @@
+"""Torture: contended acquisitions under kills, pauses and store restarts, then a checker.
+
+    python -m bench.torture --store file|postgres|redis[,...] [--short|--long]
+        [--workers 16] [--keys 8] [--seconds S] [--kills N] [--pauses N] [--restarts N]
+        [--ttl 3] [--wait 2] [--hold 0.003] [--ledger file|postgres] [--broken]
+        [--json PATH] [--keep DIR]
+
+For each store: a private server on a free port (``servers.py``: never the shared PostgreSQL
+or Redis), a fenced ledger (``ledger.py``), M worker processes contending for K keys with hot
+spots through the public ``celery_dlock.Lock`` (``worker.py``), each section a read-modify-
+write of the ledger with its lease's fence; meanwhile a chaos thread (``chaos.py``) SIGKILLs
+workers mid-section and starts new ones, SIGSTOPs one past its ttl, and restarts the store
+(Postgres ``pg_ctl -m fast`` and ``-m immediate``; Redis on its ``appendfsync always`` file and
+wiped). Then the checker (``check.py``) reads every log, the ledger and the store's history,
+prints the results table and exits 1 on any violation. ``--broken`` swaps in a lock that
+releases a busy key by key alone, to show the checker fails.
+
+``--short`` is the CI size (about 25 s per store, ``tests/test_torture.py``); ``--long`` the
+issue's long mode. The ledger of a Postgres run is a table with a unique name on the shared
+PostgreSQL (it must outlive the store's restarts), dropped at the end.
+
+Not yet here (issue 18): network partitions of a holder, a full disk under the file store,
+the object stores (S3, GCS), the Celery soak, and a long-mode table in the README.
+"""

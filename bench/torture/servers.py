@@ -1,0 +1,214 @@
+"""The stores a torture run locks in: private servers on free ports, never the shared ones.
+
+A PostgreSQL cluster made by ``initdb`` (as user ``postgres``: initdb refuses root) and a
+``redis-server``, each in a temporary directory, both stopped and removed at the end; the file
+store is a temporary directory. ``restart(kind)`` is what the chaos thread calls, with the
+kinds in this order (the lossy one first, so that the history of most of the run can be
+checked):
+
+- postgres: ``immediate`` (``pg_ctl stop -m immediate``: a crash, recovered from the WAL at
+  the next start) and ``fast`` (``-m fast``: sessions ended, a clean shutdown).
+- redis: ``wiped`` (SIGKILL, restarted with no data: a Redis without persistence) and ``aof``
+  (SIGKILL, restarted on its ``appendfsync always`` file: nothing lost).
+- file: no server, no restarts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["FileStore", "PostgresServer", "RedisServer", "Store", "free_port", "make_store"]
+
+PG_BIN = Path(os.environ.get("DLOCK_TORTURE_PG_BIN", "/usr/lib/postgresql/15/bin"))
+#: Restarts that may lose what the store wrote shortly before (see ``check.py``).
+LOSSY = {"immediate", "wiped"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def _wait_for(ready: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+class Store:
+    """A store under test: its URL, how it restarts, and its cleanup."""
+
+    name = ""
+    restart_kinds: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix=f"dlock-torture-{self.name}-"))
+
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Start the server (nothing to do for a store without one)."""
+
+    def restart(self, kind: str) -> None:
+        raise ValueError(f"the {self.name} store cannot restart ({kind!r})")
+
+    def stop(self) -> None:
+        """Stop the server and remove its files."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class FileStore(Store):
+    name = "file"
+
+    def url(self) -> str:
+        return f"file://{self.directory}/locks"
+
+
+class PostgresServer(Store):
+    """A private PostgreSQL cluster (``fsync=on``) on a free port, owned by ``postgres``."""
+
+    name = "postgres"
+    restart_kinds = ("immediate", "fast")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.port = free_port()
+        self.data = self.directory / "data"
+        if os.geteuid() == 0:  # initdb refuses root: the cluster belongs to postgres
+            account = pwd.getpwnam("postgres")
+            os.chown(self.directory, account.pw_uid, account.pw_gid)
+        self._as_postgres(
+            str(PG_BIN / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
+            "-E", "UTF8", "--no-sync",
+        )  # fmt: skip
+
+    def _as_postgres(self, *command: str) -> None:
+        line = " ".join(shlex.quote(part) for part in command)
+        as_root = os.geteuid() == 0
+        argv = ["su", "postgres", "-s", "/bin/sh", "-c", line] if as_root else list(command)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{command[0]} failed: {done.stdout}{done.stderr}")
+
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=on "
+            "-c max_connections=400 -c shared_buffers=32MB"
+        )
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-o", options,
+            "-l", str(self.directory / "server.log"), "-w", "-t", "60", "start",
+        )  # fmt: skip
+
+    def _pg_stop(self, mode: str) -> None:
+        self._as_postgres(
+            str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop"
+        )
+
+    def restart(self, kind: str) -> None:
+        if kind not in self.restart_kinds:
+            raise ValueError(f"postgres restarts are {self.restart_kinds}, not {kind!r}")
+        self._pg_stop(kind)
+        self.start()
+
+    def stop(self) -> None:
+        with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+            self._pg_stop("immediate")
+        super().stop()
+
+
+class RedisServer(Store):
+    """A private ``redis-server`` on a free port, with ``appendfsync always``."""
+
+    name = "redis"
+    restart_kinds = ("wiped", "aof")
+
+    def __init__(self, restart_delay: float) -> None:
+        super().__init__()
+        self.port = free_port()
+        self.restart_delay = restart_delay
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def url(self) -> str:
+        # A fresh server refuses grants for restart_delay (it may have just lost its data);
+        # the history must hold a whole run.
+        return (
+            f"redis://127.0.0.1:{self.port}/0?prefix=torture"
+            f"&restart_delay={self.restart_delay}&history_maxlen=100000000"
+        )
+
+    def start(self) -> None:
+        executable = shutil.which("redis-server")
+        if executable is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        args = [
+            executable, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.directory),
+            "--maxmemory-policy", "noeviction",
+        ]  # fmt: skip
+        with open(self.directory / "server.log", "ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        _wait_for(self._answers, f"redis-server on port {self.port}")
+
+    def _answers(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise RuntimeError(f"redis-server exited: {self._log()}")
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def _log(self) -> str:
+        return (self.directory / "server.log").read_text(errors="replace")[-2000:]
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+        self.process = None
+
+    def restart(self, kind: str) -> None:
+        if kind not in self.restart_kinds:
+            raise ValueError(f"redis restarts are {self.restart_kinds}, not {kind!r}")
+        self._kill()
+        if kind == "wiped":
+            shutil.rmtree(self.directory / "appendonlydir", ignore_errors=True)
+        self.start()
+
+    def stop(self) -> None:
+        self._kill()
+        super().stop()
+
+
+def make_store(name: str, restart_delay: float) -> Store:
+    """The private store for ``name`` (not started)."""
+    if name == "file":
+        return FileStore()
+    if name == "postgres":
+        return PostgresServer()
+    if name == "redis":
+        return RedisServer(restart_delay)
+    raise ValueError(f"unknown store {name!r}: file, postgres or redis")
