@@ -15,7 +15,7 @@ wiped). Then the checker (``check.py``) reads every log, the ledger and the stor
 prints the results table and exits 1 on any violation. ``--broken`` swaps in a lock that
 releases a busy key by key alone, to show the checker fails.
 
-``--short`` is the CI size (about 25 s per store, ``tests/test_torture.py``); ``--long`` the
+``--short`` is the CI size (about 12 s per store, ``tests/test_torture.py``); ``--long`` the
 issue's long mode. The ledger of a Postgres run is a table with a unique name on the shared
 PostgreSQL (it must outlive the store's restarts), dropped at the end.
 

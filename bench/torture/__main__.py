@@ -13,8 +13,8 @@ from . import __doc__ as overview
 from .check import Report, table
 from .run import Settings, torture
 
-#: ``--short``: the CI run, a few thousand acquisitions per store in about 30 s.
-SHORT = {"seconds": 20.0, "kills": 4, "pauses": 1, "restarts": 2}
+#: ``--short``: the CI run, a few thousand acquisitions per store in about 15 s.
+SHORT = {"seconds": 10.0, "kills": 4, "pauses": 1, "restarts": 2}
 #: ``--long``: the issue's long mode (about an hour per store on two cores).
 LONG = {"seconds": 3600.0, "kills": 120, "pauses": 30, "restarts": 6}
 STORES = ("file", "postgres", "redis")
