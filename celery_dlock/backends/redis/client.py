@@ -77,17 +77,22 @@ class Connections:
         #: (key, token) of acquires whose reply never came: released once Redis answers.
         self.doubtful: list[tuple[str, str]] = []
 
+    def _take(self) -> Any:
+        """An idle connection (given back by the caller when done), or a new one."""
+        try:
+            return self._idle.pop()
+        except IndexError:
+            connection = self._make()
+            self._all.add(connection)
+            return connection
+
     def call(self, *args: Any, timeout: float | None = None) -> Any:
         """Send one command and return its reply; ``timeout`` bounds the read (seconds)."""
         return self.send(bulks(args), len(args), timeout)
 
     def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any:
         """``call`` for a command already packed as ``count`` bulk strings."""
-        try:
-            connection = self._idle.pop()
-        except IndexError:
-            connection = self._make()
-            self._all.add(connection)
+        connection = self._take()
         try:
             connection.send_packed_command([b"*%d\r\n%b" % (count, packed)])
             if timeout is None:
@@ -106,11 +111,7 @@ class Connections:
     def send_all(self, commands: list[bytes]) -> list[Any]:
         """Send packed ``commands`` in one write and read their replies, in order: one
         round trip for all. A reply that is an error is returned, not raised."""
-        try:
-            connection = self._idle.pop()
-        except IndexError:
-            connection = self._make()
-            self._all.add(connection)
+        connection = self._take()
         try:
             connection.send_packed_command(commands)
             replies: list[Any] = []
