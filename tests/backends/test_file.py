@@ -300,3 +300,36 @@ def test_without_proc_the_portable_mode_is_the_default_and_identifies_by_psutil(
         backend.release(lease, Outcome.SUCCEEDED)
     finally:
         records._identity.cache_clear()
+
+
+def fill(disk: Path) -> Path:
+    """Fill ``disk`` to the last byte; the file that did it."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):  # ENOSPC: full
+        while True:
+            os.write(fd, b"x" * 4096)
+    os.close(fd)
+    return filler
+
+
+def test_a_full_disk_refuses_with_backend_errors_and_loses_nothing(small_disk: Path) -> None:
+    backend = FileBackend.from_url(f"file://{small_disk}/store")
+    me = Holder.current()
+    held = backend.try_acquire("job:held", me, 30)
+    assert held is not None
+    filler = fill(small_disk)
+
+    with pytest.raises(BackendError, match="No space left"):
+        backend.try_acquire("job:new", me, 30)  # refused, not granted unrecorded
+    with pytest.raises(BackendError, match="No space left"):
+        backend.release(held, Outcome.SUCCEEDED)  # its record cannot be written...
+    still = backend.get("job:held")
+    assert still is not None and still.token == held.token  # ...so the lease stays held
+
+    filler.unlink()
+    record = backend.release(held, Outcome.SUCCEEDED)
+    assert record is not None
+    assert [r.outcome for r in backend.history(key="job:held")] == [Outcome.SUCCEEDED]
+    assert backend.try_acquire("job:new", me, 30) is not None
+    backend.close()

@@ -202,7 +202,16 @@ class State:
             raise BackendError(f"the state of {self.key!r} does not fit in one page", None)
         # Pad to the old length: the write then replaces every old byte in one pwrite.
         data = data.ljust(self.size)
-        os.pwrite(self.fd, data, 0)
+        try:
+            written = os.pwrite(self.fd, data, 0)
+        except OSError as exc:  # ENOSPC, EIO...: nothing was written, the old state stands
+            raise BackendError(f"cannot write the lock file of {self.key!r}: {exc}", None) from exc
+        if written != len(data):
+            raise BackendError(
+                f"the lock file of {self.key!r} took {written} of {len(data)} bytes (is the "
+                "disk full?): it may be corrupt until rewritten",
+                None,
+            )
         if len(self.memo) >= _OPEN_FILES:
             self.memo.clear()
         self.memo[self.key] = (data, fence, lease, lease_json)
