@@ -197,7 +197,3 @@ class AsyncRedis:
             except RedisError as exc:
                 raise self._client.error("wait", key, exc) from exc
         return None
-
-    async def aclose(self) -> None:
-        """Close the running loop's connections (they also close when the loop ends)."""
-        await self._connections().close()
