@@ -237,6 +237,25 @@ def test_terminated_session_loses_its_leases_and_reap_records_them(
     assert [r.outcome for r in backend.history(key="job:terminated")] == [Outcome.DISCONNECTED]
 
 
+def test_an_idle_session_the_server_ended_is_replaced_before_the_next_acquire(
+    backend: PostgresBackend, admin: Any, schema: str
+) -> None:
+    # A restart or failover while a worker is idle: its first acquire after must not fail.
+    warm = backend.try_acquire("job:idle-ended", holder(), None)
+    assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
+    pid = session_pid(backend)
+    admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    eventually(lambda: admin.execute(gone, (pid,)).fetchone()[0] == 0, "the session ended")
+
+    lease = backend.try_acquire("job:idle-ended", holder(), None)
+    assert lease is not None and lease.fence > warm.fence
+    assert lease_session_pids(admin, schema, lease.fence) == [session_pid(backend)] != [pid]
+    assert backend.release(lease, Outcome.SUCCEEDED) is not None
+    outcomes = [r.outcome for r in backend.history(key="job:idle-ended")]
+    assert outcomes == [Outcome.SUCCEEDED, Outcome.SUCCEEDED]
+
+
 def test_a_lease_without_ttl_is_reported_lost_soon_after_its_session_ends(
     backends: Backends, admin: Any
 ) -> None:
@@ -386,6 +405,7 @@ def test_lock_session_commits_asynchronously_unless_told(backends: Backends, url
     assert durable.session_info()["synchronous_commit"] == "on"
 
 
+@pytest.mark.exclusive  # reads the server's WAL positions: no other test may write WAL
 def test_a_once_result_is_committed_durably_on_an_asynchronous_session(
     backend: PostgresBackend, admin: Any
 ) -> None:

@@ -72,6 +72,27 @@ def test_a_loop_holds_its_leases_on_a_lock_session_of_its_own(
     assert record.outcome is Outcome.SUCCEEDED
 
 
+def test_an_idle_loop_session_the_server_ended_is_replaced_before_the_next_acquire(
+    backend: PostgresBackend, admin: Any
+) -> None:
+    gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+
+    async def scenario() -> None:
+        async with AsyncLock(backend, "job:pg-aio:idle-ended"):
+            pid = row_pid(admin, backend, "job:pg-aio:idle-ended")
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        for _ in range(100):
+            if admin.execute(gone, (pid,)).fetchone()[0] == 0:
+                break
+            await asyncio.sleep(0.05)
+        async with AsyncLock(backend, "job:pg-aio:idle-ended"):  # no BackendError
+            assert row_pid(admin, backend, "job:pg-aio:idle-ended") not in (pid, 0)
+
+    asyncio.run(scenario())
+    outcomes = [r.outcome for r in backend.history(key="job:pg-aio:idle-ended")]
+    assert outcomes == [Outcome.SUCCEEDED, Outcome.SUCCEEDED]
+
+
 def test_an_async_lease_is_reported_lost_soon_after_its_loop_session_ends(
     backend: PostgresBackend, admin: Any
 ) -> None:

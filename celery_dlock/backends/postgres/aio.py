@@ -91,9 +91,11 @@ class _Loop:
 
     async def open(self) -> _Session:
         """The lock session, opened and checked as the blocking one is (caller holds
-        ``mutex``)."""
+        ``mutex``); a new one if the server ended it while it held nothing."""
         if self.session is not None:
-            return self.session
+            if self.session.held or not has_ended(self.session.conn):
+                return self.session
+            await self.drop()
         await self._keeping()
         config, statements = self.config, self.config.statements
         conn = await config.aconnect("lock")

@@ -92,7 +92,12 @@ def has_ended(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> b
     try:
         poller = select.poll()  # not select(): descriptors above 1023 are common
         poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-        if poller.poll(0):
+        # A terminated session sends its FATAL message, then closes: the first read takes
+        # the message (libpq keeps it as a notice), a later one finds the end of the socket,
+        # which may come a moment after. Only a socket that had something to say waits.
+        for wait_ms in (0, 20, 20):
+            if not poller.poll(wait_ms) or pgconn.status != ConnStatus.OK:
+                break
             pgconn.consume_input()
     except (psycopg.Error, OSError):
         return True
@@ -175,9 +180,15 @@ class Client:
     # -- the lock session (callers hold ``mutex``) -------------------------------------
 
     def open(self) -> Session:
-        """The lock session, opened (and checked) if there is none."""
+        """The lock session, opened (and checked) if there is none, or if the server ended
+        it while it held nothing (a restart, a failover: what there is to read tells, with no
+        round trip). One that held leases is left to fail its next statement, so that its
+        callers find them lost."""
         if self.session is not None:
-            return self.session
+            if not self.session.held:
+                self._look()
+            if self.session is not None:
+                return self.session
         config, statements = self.config, self.config.statements
         conn = config.connect("lock")
         try:
