@@ -113,7 +113,7 @@ class Connections:
         round trip for all. A reply that is an error is returned, not raised."""
         connection = self._take()
         try:
-            connection.send_packed_command(commands)
+            connection.send_packed_command([b"".join(commands)])  # a list: one sendall each
             replies: list[Any] = []
             for _ in commands:
                 try:
