@@ -35,6 +35,9 @@ def _default_restart() -> str:
 
 
 RESTART = os.environ.get("DLOCK_PG_RESTART", _default_restart())
+
+# Restarting the Postgres every test shares: run while no other test does.
+pytestmark = pytest.mark.exclusive
 CONTENDERS = 4
 
 

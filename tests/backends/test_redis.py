@@ -230,6 +230,7 @@ def test_acquire_release_and_renew_take_one_round_trip_each(
 BATCH = 10
 
 
+@pytest.mark.exclusive  # SCRIPT FLUSH on the shared server: others would meet NOSCRIPT
 def test_reap_clears_a_batch_of_expired_leases_in_two_round_trips(
     proxy: CountingProxy, prefix: str, raw: Any
 ) -> None:

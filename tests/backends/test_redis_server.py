@@ -261,7 +261,9 @@ def test_after_a_restart_holders_see_their_leases_lost_and_fences_go_on_up(
 
 
 def test_a_process_new_after_a_restart_waits_out_the_quarantine(server: RedisServer) -> None:
-    url = server.url("fresh", restart_delay=1)
+    # restart_delay well above the time a loaded machine takes from the restart to the
+    # newcomer's first call (1 s was not: CI saw the newcomer granted, too late to wait).
+    url = server.url("fresh", restart_delay=3)
     holding = open_backend(url)
     lease = eventually(lambda: holding.try_acquire("job:fresh", holder(), 30), "first lock")
     server.restart()
@@ -314,7 +316,7 @@ CONTENDER = textwrap.dedent(
 def test_a_restart_during_contention_breaks_no_mutual_exclusion(
     server: RedisServer, tmp_path: Path
 ) -> None:
-    url = server.url("contend", restart_delay=5)
+    url = server.url("contend", restart_delay=3)
     counter, log, stop = tmp_path / "counter", tmp_path / "log", tmp_path / "stop"
     counter.write_text("0")
     log.write_text("")

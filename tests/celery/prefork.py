@@ -22,7 +22,18 @@ from celery_dlock.records import Record
 from tests.support import eventually
 
 HERE = Path(__file__).parent
-BROKER_DB, RESULTS_DB = 2, 3
+
+
+def _databases() -> tuple[int, int]:
+    """The Redis databases of the broker and the results: 2 and 3, or a pair of this
+    pytest-xdist worker's own (gw1: 10 and 11, ... gw3: 14 and 15), flushed at its start."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    if worker > 3:
+        raise RuntimeError("the Celery tests have Redis databases for 4 xdist workers at most")
+    return (2, 3) if worker == 0 else (8 + 2 * worker, 9 + 2 * worker)
+
+
+BROKER_DB, RESULTS_DB = _databases()
 
 
 class Worker:

@@ -421,6 +421,7 @@ def test_on_redis_a_producer_killed_before_its_send_blocks_the_key_for_send_ttl_
     assert record.outcome is Outcome.EXPIRED
 
 
+@pytest.mark.exclusive  # restarts the Postgres every test shares
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_a_postgres_restart_keeps_the_marks_a_clean_one_can_keep(
     worker: Worker, lock_url: str, mode: str
