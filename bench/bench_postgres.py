@@ -14,6 +14,9 @@ Uncontended, interleaved round by round (``benchlib``), pairs/s and p50/p99 of o
 - ``celery_dlock Lock``: the same through ``with Lock(...)``.
 - ``PALs`` (if installed): ``Locker.lock(name).acquire(blocking=False)`` + ``release()``.
 
+Server CPU (``--server-pairs``, or alone with ``--only-server-cpu``): the Postgres backend's
+CPU per pair, and the WAL writer's, from ``/proc/<pid>/stat`` (the server on this host).
+
 Contended, ``--processes`` processes on one key, interleaved round by round: each process
 takes the lock (waiting without limit), runs a read-modify-write of a shared counter file,
 and releases. Handoff = from the holder's ``release()`` returning to another process's acquire
@@ -55,6 +58,8 @@ from celery_dlock.records import Holder
 
 FLOOR = "raw advisory"
 RAW_KEY = 4242
+#: Postgres CPU per uncontended acquire+release, backend and WAL writer (issue 14).
+SERVER_TARGET_US = 50.0
 
 
 def uncontended(url: str, schema: str, rounds: int, seconds: float) -> None:
@@ -111,6 +116,79 @@ def uncontended(url: str, schema: str, rounds: int, seconds: float) -> None:
     conn.close()
     if engine is not None:
         engine.dispose()
+
+
+# -- server CPU -----------------------------------------------------------------------------
+
+#: Clock ticks per second of /proc/<pid>/stat's utime and stime.
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of(pid: int) -> float:
+    """Seconds of CPU process ``pid`` has used (user + system), from ``/proc``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def server_cpu(url: str, schema: str, rounds: int, pairs: int) -> None:
+    """Postgres CPU per uncontended pair (issue 14, item 4): the serving backend's, and the
+    WAL writer's, read from ``/proc`` around ``pairs`` pairs (the server runs on this host).
+    Variants interleave round by round; medians, min-max beside them."""
+    admin = psycopg.connect(url, autocommit=True)
+    row = admin.execute(
+        "SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'"
+    ).fetchone()
+    walwriter = int(row[0]) if row else None
+    raw_conn = psycopg.connect(url, autocommit=True)
+    cursor = raw_conn.cursor()
+
+    def raw() -> None:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", (RAW_KEY,), prepare=True)
+        cursor.fetchone()
+        cursor.execute("SELECT pg_advisory_unlock(%s)", (RAW_KEY,), prepare=True)
+        cursor.fetchone()
+
+    backend = PostgresBackend.from_url(f"{url}?schema={schema}")
+    ours = our_variants(backend, key="job:server-cpu")["celery_dlock"]
+    ours()  # opens the lock session
+    pids = {
+        FLOOR: int(raw_conn.info.backend_pid),
+        "celery_dlock": int(backend.session_info()["backend_pid"]),
+    }
+    calls = {FLOOR: raw, "celery_dlock": ours}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            for _ in range(200):  # warm
+                call()
+            wal = _cpu_of(walwriter) if walwriter else 0.0
+            before = _cpu_of(pids[name])
+            for _ in range(pairs):
+                call()
+            spent = _cpu_of(pids[name]) - before
+            wal = (_cpu_of(walwriter) - wal) if walwriter else 0.0
+            samples[name].append((spent / pairs * 1e6, wal / pairs * 1e6))
+    print(f"\nserver CPU per uncontended pair, {rounds} rounds × {pairs:,} pairs (from /proc)")
+    print("| variant | backend µs/pair | WAL writer µs/pair | sum |")
+    print("|---|---|---|---|")
+    for name, values in samples.items():
+        own = sorted(v[0] for v in values)
+        wal_values = sorted(v[1] for v in values)
+        total = sorted(v[0] + v[1] for v in values)
+        cells = [
+            f"{statistics.median(xs):.1f} ({xs[0]:.1f}–{xs[-1]:.1f})"
+            for xs in (own, wal_values, total)
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    total = statistics.median(v[0] + v[1] for v in samples["celery_dlock"])
+    verdict = "meets" if total <= SERVER_TARGET_US else "MISSES"
+    print(
+        f"\ncelery_dlock server CPU = {total:.1f} µs per acquire+release "
+        f"({verdict} the target of ≤ {SERVER_TARGET_US:.0f} µs)"
+    )
+    backend.close()
+    raw_conn.close()
+    admin.close()
 
 
 # -- contended ------------------------------------------------------------------------------
@@ -269,12 +347,18 @@ def main() -> None:
     parser.add_argument("--contended-rounds", type=int, default=2)
     parser.add_argument("--contended-seconds", type=float, default=4.0)
     parser.add_argument("--skip-contended", action="store_true")
+    parser.add_argument("--server-pairs", type=int, default=5000)
+    parser.add_argument("--only-server-cpu", action="store_true")
     options = parser.parse_args()
 
     schema = f"dlock_bench_{os.urandom(4).hex()}"
     PostgresBackend.from_url(f"{options.url}?schema={schema}").migrate()
     try:
+        if options.only_server_cpu:
+            server_cpu(options.url, schema, options.rounds, options.server_pairs)
+            return
         uncontended(options.url, schema, options.rounds, options.seconds)
+        server_cpu(options.url, schema, options.rounds, options.server_pairs)
         if not options.skip_contended:
             contended(
                 options.url,
