@@ -66,6 +66,11 @@ def canonical(value: Any) -> str:
     value). Anything else raises :class:`LockKeyError`: a default ``repr`` holds a memory
     address and would make a different key on every call.
     """
+    kind = type(value)
+    if kind is str:  # the usual values first
+        return value  # type: ignore[no-any-return]
+    if kind is int:
+        return str(value)
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -224,13 +229,17 @@ class KeyTemplate:
         return arguments
 
     def _fill(self, arguments: Mapping[str, Any]) -> str:
-        values = dict(arguments)
+        values = arguments
         if self._var_keyword is not None:
+            values = dict(arguments)
             values.update(values.pop(self._var_keyword, {}))
         parts = []
         for literal, name, spec, conversion in self._parts:
             parts.append(literal)
             if name is None:
+                continue
+            if not spec and not conversion and name in values:  # a plain {name}
+                parts.append(canonical(values[name]))
                 continue
             try:
                 value, _ = _FORMATTER.get_field(name, (), values)
