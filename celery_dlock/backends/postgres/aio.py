@@ -34,7 +34,7 @@ from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.prepared import AsyncPreparedStatements
-from celery_dlock.backends.postgres.recovery import SessionEnded
+from celery_dlock.backends.postgres.recovery import SessionEnded, refusal
 from celery_dlock.backends.postgres.session import (
     SWEEP_EVERY,
     WATCH_EVERY,
@@ -320,14 +320,7 @@ class AsyncPostgres:
         if not row[3] or row[4] != session.pid:
             await self._clear(state, params, "the lease's advisory lock could not be taken")
             await state.drop()
-            if row[4] != session.pid:
-                raise pooled(self._config, session.pid, int(row[4]))
-            raise BackendError(
-                f"the advisory lock of the lease with fence {fence} is held by a session "
-                "outside celery_dlock: another application uses the same bigint advisory "
-                "keys in this database",
-                self._url,
-            )
+            raise refusal(self._config, fence, session.pid, int(row[4]))
         session.held[fence] = params["key"]
         return (fence, row[1], row[2])
 

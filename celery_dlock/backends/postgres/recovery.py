@@ -11,8 +11,8 @@ from typing import Any
 import psycopg
 
 from celery_dlock.backends.postgres import rows
-from celery_dlock.backends.postgres.config import translate
-from celery_dlock.backends.postgres.session import Client, Session, connection_lost
+from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.session import Client, Session, connection_lost, pooled
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Lease, Outcome, Record
 
@@ -62,26 +62,27 @@ def undo_acquire(
     return _translated(ended, "acquire (the lock session ended)", url)
 
 
-def refuse(
-    client: Client, params: dict[str, Any], fence: int, url: str, *, pooled: bool
-) -> Exception:
-    """Undo an acquire whose advisory lock went wrong: another server connection got it (a
-    transaction-mode pooler) or a session outside celery_dlock holds that key."""
+def refuse(client: Client, params: dict[str, Any], fence: int, pid: int, ran_on: int) -> Exception:
+    """Undo an acquire whose advisory lock went wrong; the error to raise (``refusal``)."""
     session = client.session
     if session is not None:
         with contextlib.suppress(psycopg.Error):
             _undo(client, session, params, "the lease's advisory lock could not be taken")
     client.drop()
-    if pooled:
-        return ConfigurationError(
-            "the lock session's backend pid changed between transactions: a "
-            f"transaction-mode pooler is in the way; connect directly [{url}]"
-        )
+    return refusal(client.config, fence, pid, ran_on)
+
+
+def refusal(config: Config, fence: int, pid: int, ran_on: int) -> Exception:
+    """The error for a lease whose advisory lock could not be taken by the lock session
+    (backend ``pid``): its statement ran on another server connection (``ran_on``: a
+    transaction-mode pooler), or a session outside celery_dlock holds that key."""
+    if ran_on != pid:
+        return pooled(config, pid, ran_on)
     return BackendError(
         f"the advisory lock of the lease with fence {fence} is held by a session outside "
         "celery_dlock: another application uses the same bigint advisory keys in this "
         "database",
-        url,
+        config.url,
     )
 
 

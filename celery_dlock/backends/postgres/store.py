@@ -124,7 +124,7 @@ class PostgresStore(LockBackend):
             return None
         fence = int(row[0])
         if not row[3] or row[4] != session.pid:
-            raise refuse(client, params, fence, self.url, pooled=row[4] != session.pid)
+            raise refuse(client, params, fence, session.pid, int(row[4]))
         if self.capabilities.liveness == "session":
             session.held[fence] = params["key"]  # its advisory lock is the session's
         return (fence, row[1], row[2])
