@@ -58,17 +58,25 @@ def test_the_command_runs_holding_the_key_and_its_success_is_recorded(
 def test_two_runs_on_one_key_never_overlap_and_a_busy_key_exits_75(
     store: CliStore, tmp_path: Path
 ) -> None:
-    log = tmp_path / "intervals"
+    log, go = tmp_path / "intervals", tmp_path / "go"
+    # Each command runs until ``go`` exists (and 0.2 s more): the first one holds the key
+    # for as long as the busy run takes to start, however slow the machine.
     code = (
-        f"import time; a = time.time(); time.sleep(0.5); "
-        f"open({str(log)!r}, 'a').write(f'{{a}} {{time.time()}}\\n')"
+        f"import os, time; a = time.time()\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+        f"time.sleep(0.2); open({str(log)!r}, 'a').write(f'{{a}} {{time.time()}}\\n')"
     )
     first = start(store, *TTL, KEY, "--", *python(code))
-    eventually(lambda: store.backend.get(KEY), "the first run holds the key")
-    busy = run(store, *TTL, KEY, "--", "true")
-    assert busy.returncode == EXIT_BUSY and "is busy" in busy.stderr
-    second = run(store, *TTL, "--wait", "30", KEY, "--", *python(code))
-    assert second.returncode == 0 and first.wait(timeout=60) == 0
+    try:
+        eventually(lambda: store.backend.get(KEY), "the first run holds the key")
+        busy = run(store, *TTL, KEY, "--", "true")
+        assert busy.returncode == EXIT_BUSY and "is busy" in busy.stderr
+        go.touch()
+        second = run(store, *TTL, "--wait", "30", KEY, "--", *python(code))
+    finally:
+        go.touch()
+        first.wait(timeout=60)
+    assert second.returncode == 0 and first.returncode == 0
     earlier, later = sorted(
         tuple(map(float, line.split())) for line in log.read_text().splitlines()
     )
