@@ -9,6 +9,8 @@ success wins). A success whose store fails is tried again with backoff for a bou
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 from celery_dlock.records import DETAILS_LIMIT, Lease, Outcome, Record, truncate_utf8
 
-__all__ = ["Ending", "release", "release_success", "settle"]
+__all__ = ["Ending", "Unsettled", "release", "release_success", "settle", "unsettled"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -29,6 +31,8 @@ SUCCESS_PAUSE = 0.25
 SUCCESS_PAUSE_MAX = 5.0
 #: Records of a key read back to find a release whose reply was lost.
 RECENT = 50
+#: Releases kept for a later try while their store refuses them (``Unsettled``).
+UNSETTLED_MAX = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,12 @@ class Ending:
     reported: bool
 
 
-def release(backend: LockBackend, ending: Ending, retrying: bool = False) -> Record | None:
+def release(
+    backend: LockBackend, ending: Ending, retrying: bool = False, defer: bool = True
+) -> Record | None:
+    """Release ``ending``'s lease and settle it (see ``settle``). A release the store
+    refuses is raised, and, with ``defer``, tried again at this process's next release
+    that reaches the store (``unsettled``), so that its record is not lost for good."""
     lease = ending.lease
     started = time.perf_counter()
     try:
@@ -52,8 +61,12 @@ def release(backend: LockBackend, ending: Ending, retrying: bool = False) -> Rec
         )
     except BackendError:
         metrics.store_error(backend.name, "release")
+        if defer:
+            unsettled.add(backend, ending)
         raise
     metrics.store_call(backend.name, "release", started)
+    if unsettled.items:
+        unsettled.settle(backend)
     return settle(backend, ending, record, retrying)
 
 
@@ -83,9 +96,10 @@ def release_success(backend: LockBackend, ending: Ending, retry: float) -> Recor
     attempt = 1
     while True:
         try:
-            record = release(backend, ending, retrying=attempt > 1)
+            record = release(backend, ending, retrying=attempt > 1, defer=False)
         except BackendError as exc:
             if time.monotonic() + pause > deadline:
+                unsettled.add(backend, ending)
                 logger.error(
                     "gave up storing the success of %s (fence %d) [%s] after %d attempts "
                     "in %.0f s: once may run this task again: %s",
@@ -122,6 +136,70 @@ def release_success(backend: LockBackend, ending: Ending, retry: float) -> Recor
                 extra=fields("success_stored", lease, outcome=Outcome.SUCCEEDED),
             )
         return record
+
+
+class Unsettled:
+    """Releases the store refused (it was down), oldest first, each tried again at this
+    process's next release that reaches the same store: a lease still there is released
+    with its own outcome; one the store lost meanwhile (a Postgres crash empties the locks
+    table) is recorded ``lost``, unless someone recorded it already (the janitor, a taker).
+    Bounded; a forked child starts with none (they are its parent's)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[LockBackend, Ending]] = []
+        self._mutex = threading.Lock()
+        self._settling = False
+
+    def add(self, backend: LockBackend, ending: Ending) -> None:
+        with self._mutex:
+            if len(self.items) >= UNSETTLED_MAX:
+                _, dropped = self.items.pop(0)
+                logger.error(
+                    "gave up settling the release of %s (fence %d): more than %d releases "
+                    "are waiting for their store",
+                    dropped.lease.key,
+                    dropped.lease.fence,
+                    UNSETTLED_MAX,
+                    extra=fields("release_dropped", dropped.lease),
+                )
+            self.items.append((backend, ending))
+
+    def settle(self, backend: LockBackend) -> None:
+        """Try again the releases waiting for ``backend`` (which just answered)."""
+        with self._mutex:
+            mine = [ending for owner, ending in self.items if owner is backend]
+            if self._settling or not mine:
+                return
+            self.items = [item for item in self.items if item[0] is not backend]
+            self._settling = True
+        try:
+            for n, ending in enumerate(mine):
+                try:
+                    record = release(backend, ending, retrying=True, defer=False)
+                except BackendError:
+                    with self._mutex:
+                        self.items[:0] = [(backend, left) for left in mine[n:]]
+                    return
+                logger.warning(
+                    "settled the release of %s (fence %d) that the store refused earlier: %s",
+                    ending.lease.key,
+                    ending.lease.fence,
+                    "recorded lost" if record is None else f"recorded {record.outcome}",
+                    extra=fields("release_settled", ending.lease),
+                )
+        finally:
+            with self._mutex:
+                self._settling = False
+
+    def forget(self) -> None:
+        self.items = []
+        self._mutex = threading.Lock()
+        self._settling = False
+
+
+#: The releases of this process waiting for their store.
+unsettled = Unsettled()
+os.register_at_fork(after_in_child=unsettled.forget)
 
 
 def _record_of(backend: LockBackend, lease: Lease) -> Record | None:

@@ -394,7 +394,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         except BackendError:
             extra = fields("release_failed", lease, outcome=outcome)
             logger.exception(
-                "could not release %s; the janitor will clear it", lease.key, extra=extra
+                "could not release %s; tried again at this worker's next release (else the "
+                "janitor clears it)",
+                lease.key,
+                extra=extra,
             )
             return
         if record is None and self.on_lock_lost == "raise" and exc is None:

@@ -314,6 +314,49 @@ def test_a_once_success_across_a_restart_is_kept_and_the_duplicate_replays_it(
             first.communicate()
 
 
+@pytest.mark.slow
+def test_a_release_the_crashed_server_refused_is_recorded_lost_at_the_next_release(
+    store: tuple[str, Any],
+) -> None:
+    """The server crashes (``-m immediate``) while a lease is held and is down when the
+    holder releases: the release raises, and the crash empties the locks table, so no
+    taker and no janitor will ever see that lease. Its record comes from this process's
+    next release that reaches the server: ``lost``, naming the outcome it could not record
+    (before: no record at all)."""
+    from celery_dlock import BackendError, Lock, Outcome, backend_from_url
+    from tests.support import eventually
+
+    url, checker = store
+    backend = backend_from_url(url)
+    lock = Lock(backend, "job:crashed")
+    lease = lock.acquire()
+    stop = RESTART.replace(" restart", " stop").replace("-m fast", "-m immediate")
+    subprocess.run(shlex.split(stop), check=True, capture_output=True, timeout=120)
+    try:
+        with pytest.raises(BackendError):
+            lock.release(Outcome.FAILED, "Boom", "the report failed")
+    finally:
+        ensure_server_up()
+    assert checker.history(key="job:crashed") == []  # the crash took the lease row with it
+    # The next release this process makes reaches the server, and settles the earlier one.
+    eventually(lambda: _released(backend, Lock), "a release after the crash")
+    [record] = checker.history(key="job:crashed")
+    assert record.lease.token == lease.token and record.outcome is Outcome.LOST
+    assert str(record.details).startswith("failed not recorded")
+    assert "Boom" in str(record.details)
+    backend.close()
+
+
+def _released(backend: Any, lock_type: Any) -> bool:
+    from celery_dlock import BackendError
+
+    try:
+        with lock_type(backend, "job:after-the-crash"):
+            return True
+    except BackendError:
+        return False  # still starting up
+
+
 if __name__ == "__main__":
     logging.getLogger("celery_dlock").setLevel(logging.CRITICAL)
     mode, *arguments = sys.argv[1:]

@@ -259,6 +259,29 @@ def test_reap_clears_a_batch_of_expired_leases_in_two_round_trips(
     backend.close()
 
 
+def test_a_release_refused_while_redis_was_unreachable_lands_at_the_next_release(
+    proxy: CountingProxy, prefix: str
+) -> None:
+    backend = open_backend(prefix, via(proxy), retries=0)
+    lock = Lock(backend, "job:outage", ttl=60, renew=False)
+    lease = lock.acquire()
+    proxy.refuse()  # an outage: the release cannot reach Redis
+    with pytest.raises(BackendError):
+        lock.release(Outcome.FAILED, "Boom", "the sync failed")
+    proxy.accept()
+    assert backend.get("job:outage") is not None  # still held: nothing released it
+    with Lock(backend, "job:next", ttl=60):  # this process's next release...
+        pass
+    assert backend.get("job:outage") is None  # ...released the earlier one, by its token
+    [record] = backend.history(key="job:outage")
+    assert record.lease.token == lease.token
+    assert (record.outcome, record.problem) == (Outcome.FAILED, "Boom")  # its own outcome
+    with Lock(backend, "job:next", ttl=60):
+        pass
+    assert len(backend.history(key="job:outage")) == 1  # settled once
+    backend.close()
+
+
 def test_wait_is_one_push_not_a_poll(proxy: CountingProxy, prefix: str) -> None:
     backend = open_backend(prefix, via(proxy))
     other = open_backend(prefix)
