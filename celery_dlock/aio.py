@@ -276,8 +276,11 @@ class AsyncLock:
             )
         except BackendError:
             metrics.store_error(self.backend.name, "release")
+            releasing.unsettled.add(self.backend, ending)  # tried again at a later release
             raise
         metrics.store_call(self.backend.name, "release", started)
+        if releasing.unsettled.items:
+            await _off(releasing.unsettled.settle, self.backend)
         if record is not None:
             return releasing.settle(self.backend, ending, record)
         return await _off(releasing.settle, self.backend, ending, None)  # lost: recorded so

@@ -8,6 +8,7 @@ Tests that restart Redis, use a unix socket or flush scripts run a private serve
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Holder, Lock, Outcome
+from celery_dlock import AsyncLock, BackendError, ConfigurationError, Holder, Lease, Lock, Outcome
 from celery_dlock.backends import backend_from_url
 from tests.backends.test_contract import KEYS
 from tests.support import eventually, force_release
@@ -279,6 +280,30 @@ def test_a_release_refused_while_redis_was_unreachable_lands_at_the_next_release
     with Lock(backend, "job:next", ttl=60):
         pass
     assert len(backend.history(key="job:outage")) == 1  # settled once
+    backend.close()
+
+
+def test_an_async_release_refused_while_redis_was_unreachable_lands_at_the_next_one(
+    proxy: CountingProxy, prefix: str
+) -> None:
+    backend = open_backend(prefix, via(proxy), retries=0)
+
+    async def scenario() -> Lease:
+        lock = AsyncLock(backend, "job:aio-outage", ttl=60, renew=False)
+        lease = await lock.acquire()
+        proxy.refuse()
+        with pytest.raises(BackendError):
+            await lock.release(Outcome.FAILED, "Boom", "the sync failed")
+        proxy.accept()
+        async with AsyncLock(backend, "job:aio-next", ttl=60):  # its native client
+            pass
+        return lease
+
+    lease = asyncio.run(scenario())
+    assert backend.async_store() is not None
+    assert backend.get("job:aio-outage") is None
+    [record] = backend.history(key="job:aio-outage")
+    assert (record.lease.token, record.outcome) == (lease.token, Outcome.FAILED)
     backend.close()
 
 
