@@ -2,8 +2,10 @@
 
     python -m bench.torture --store file|postgres|redis[,...] [--short|--long]
         [--workers 16] [--keys 8] [--seconds S] [--kills N] [--pauses N] [--restarts N]
+        [--partitions N] [--cut-off 2] [--cut-off-options QUERY]
         [--ttl 3] [--wait 2] [--hold 0.003] [--ledger file|postgres] [--broken]
         [--json PATH] [--keep DIR]
+    python -m bench.torture.soak [--short] [--tasks 50000] [--kills 20] ...
 
 For each store: a private server on a free port (``servers.py``: never the shared PostgreSQL
 or Redis), a fenced ledger (``ledger.py``), M worker processes contending for K keys with hot
@@ -15,10 +17,23 @@ wiped). Then the checker (``check.py``) reads every log, the ledger and the stor
 prints the results table and exits 1 on any violation. ``--broken`` swaps in a lock that
 releases a busy key by key alone, to show the checker fails.
 
+``--partitions N`` (Postgres and Redis; root, ``ip`` and ``nft``): ``--cut-off`` more workers
+run in a network namespace joined to the host by a veth pair (``netns.py``), reaching the
+store on the host's end of the pair. A partition SIGSTOPs one of them inside its section,
+drops every packet between namespace and host with nftables (dropped, not refused: no
+socket is closed), waits until the store frees its lease (Postgres: the server's TCP
+keepalives and ``tcp_user_timeout`` end the session, the cut-off workers having no ttl;
+Redis: the lease's ttl), resumes it still cut off (its write is then stale and must be
+refused), and heals the network. The table shows each partition's freeing time.
+``--cut-off-options`` sets the cut-off workers' URL options (Postgres keepalives). The
+ledger of a run with partitions is in files (the namespace reaches the store only).
+
+``soak.py``: the Celery soak, through a real prefork worker (its own docstring).
+
 ``--short`` is the CI size (about 12 s per store, ``tests/test_torture.py``); ``--long`` the
 issue's long mode. The ledger of a Postgres run is a table with a unique name on the shared
 PostgreSQL (it must outlive the store's restarts), dropped at the end.
 
-Not yet here (issue 18): network partitions of a holder, a full disk under the file store,
-the object stores (S3, GCS), the Celery soak, and a long-mode table in the README.
+Not yet here (issue 18): a full disk under the file store, the object stores (S3, GCS),
+and a long-mode table in the README.
 """

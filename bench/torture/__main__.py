@@ -10,13 +10,14 @@ import sys
 from pathlib import Path
 
 from . import __doc__ as overview
+from . import netns
 from .check import Report, table
 from .run import Settings, torture
 
 #: ``--short``: the CI run, a few thousand acquisitions per store in about 15 s.
 SHORT = {"seconds": 10.0, "kills": 4, "pauses": 1, "restarts": 2}
 #: ``--long``: the issue's long mode (about an hour per store on two cores).
-LONG = {"seconds": 3600.0, "kills": 120, "pauses": 30, "restarts": 6}
+LONG = {"seconds": 3600.0, "kills": 120, "pauses": 30, "restarts": 6, "partitions": 10}
 STORES = ("file", "postgres", "redis")
 
 
@@ -38,6 +39,20 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument("--kills", type=int, help="workers SIGKILLed per store (10)")
     parser.add_argument("--pauses", type=int, help="workers SIGSTOPped for ttl + 1 s (2)")
     parser.add_argument("--restarts", type=int, help="store restarts (2; none for file)")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        help="holders cut off the network in their section (0; postgres and redis, as root)",
+    )
+    parser.add_argument(
+        "--cut-off", type=int, default=2, help="workers in the namespace partitions cut (2)"
+    )
+    parser.add_argument(
+        "--cut-off-options",
+        default="",
+        help="URL options of the cut-off workers, e.g. Postgres keepalives: "
+        "keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=3000",
+    )
     parser.add_argument("--ttl", type=float, default=3.0, help="lease ttl (3 s)")
     parser.add_argument("--wait", type=float, default=2.0, help="Lock wait (2 s)")
     parser.add_argument("--hold", type=float, default=0.003, help="longest section pause (s)")
@@ -56,14 +71,18 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     sized = SHORT if options.short else LONG if options.long else {}
     counts = {
         name: getattr(options, name) if getattr(options, name) is not None else sized.get(name)
-        for name in ("seconds", "kills", "pauses", "restarts")
+        for name in ("seconds", "kills", "pauses", "restarts", "partitions")
     }
+    networked = set(stores) & {"postgres", "redis"}
+    if counts["partitions"] and networked and (reason := netns.unavailable()) is not None:
+        parser.error(f"partitions: {reason} (or pass --partitions 0)")
     common = {name: value for name, value in counts.items() if value is not None}
     runs = [
         Settings(
             store=store, workers=options.workers, keys=options.keys, ttl=options.ttl,
             wait=options.wait, hold=options.hold, ledger=options.ledger, broken=options.broken,
-            seed=options.seed, keep=options.keep, **common,  # type: ignore[arg-type]
+            seed=options.seed, keep=options.keep, cut_off=options.cut_off,
+            cut_off_options=options.cut_off_options, **common,  # type: ignore[arg-type]
         )
         for store in stores
     ]  # fmt: skip
@@ -88,7 +107,10 @@ def main(argv: list[str]) -> int:
             f"late writes {report.late_writes}, lost releases {report.lost_releases}, "
             f"records checked {report.records_checked} (excused {report.excused_records}; "
             f"acknowledged history lost before a crash: up to {report.crash_loss:.3f} s), "
-            f"killed leases {report.killed_outcomes}, restarts {report.restart_kinds or '-'}"
+            f"killed leases {report.killed_outcomes}, restarts {report.restart_kinds or '-'}, "
+            f"partitions {report.partitions} (leases freed after "
+            f"{', '.join(f'{s:.2f}' for s in report.freed_after) or '-'} s; cut-off releases "
+            f"{report.cut_releases or '-'}, their leases {report.cut_outcomes or '-'})"
         )
     if options.json is not None:
         options.json.write_text(json.dumps([dataclasses.asdict(r) for r in reports], indent=2))

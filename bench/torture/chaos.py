@@ -13,6 +13,12 @@ taken just before it:
   a stopped VM) that wakes up in its section after another took its key.
 - ``{"e": "restart", "kind", "t", "t_end"}``: the store restarted, written once it answers
   again (``t_end``).
+- ``{"e": "partition", "pid", "log", "key", "token", "fence", "t", "t_free", "t_resume",
+  "t_heal"}``: a worker in the network namespace (``netns.py``) caught in its section
+  (SIGSTOPped), cut off from the store at ``t``; its lease seen freed by the store (gone, or
+  another holder's) at ``t_free`` (None if not within ``FREE_LIMIT``); SIGCONTed at
+  ``t_resume``, still cut off, to finish its section on a lease it no longer has (its ledger
+  write stale); the network healed at ``t_heal``. Written once healed.
 """
 
 from __future__ import annotations
@@ -29,19 +35,37 @@ import time
 from pathlib import Path
 from typing import Any
 
+from celery_dlock import BackendError, LockBackend
+
+from .netns import Network
 from .servers import Store
 from .worker import Job
 
-__all__ = ["Chaos", "Fleet"]
+__all__ = ["Chaos", "Cutoff", "Fleet", "stopped"]
 
 REPO = Path(__file__).resolve().parents[2]
+#: Seconds a partition waits for the store to free the cut-off holder's lease.
+FREE_LIMIT = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cutoff:
+    """``count`` more workers that run in ``network``'s namespace, reaching the store
+    through its link (``job``), for partitions to cut off."""
+
+    network: Network
+    job: Job
+    count: int
 
 
 class Fleet:
     """``count`` worker processes, each with its own log per life."""
 
-    def __init__(self, job: Job, directory: Path, count: int, seed: int) -> None:
+    def __init__(
+        self, job: Job, directory: Path, count: int, seed: int, cutoff: Cutoff | None = None
+    ) -> None:
         self.job, self.directory, self.count, self.seed = job, directory, count, seed
+        self.cutoff = cutoff
         self.processes: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, Path] = {}
         self.lives = 0
@@ -50,16 +74,26 @@ class Fleet:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        for slot in range(self.count):
+        for slot in range(self.count + (0 if self.cutoff is None else self.cutoff.count)):
             self._spawn(slot)
+
+    def cut_off(self) -> list[int]:
+        """The slots of the workers in the namespace."""
+        extra = 0 if self.cutoff is None else self.cutoff.count
+        return list(range(self.count, self.count + extra))
 
     def _spawn(self, slot: int) -> None:
         self.lives += 1
         log = self.directory / f"w{slot:02d}.{self.lives:04d}.jsonl"
-        job = dataclasses.replace(self.job, log=str(log), seed=self.seed * 100_003 + self.lives)
+        inner = self.cutoff is not None and slot >= self.count
+        template = self.cutoff.job if self.cutoff is not None and inner else self.job
+        job = dataclasses.replace(template, log=str(log), seed=self.seed * 100_003 + self.lives)
+        argv = [sys.executable, "-m", "bench.torture.worker", job.to_json()]
+        if self.cutoff is not None and inner:
+            argv = self.cutoff.network.inside(argv)
         with open(log.with_suffix(".err"), "ab") as err:
             self.processes[slot] = subprocess.Popen(
-                [sys.executable, "-m", "bench.torture.worker", job.to_json()],
+                argv,
                 cwd=REPO,
                 stdout=err,
                 stderr=subprocess.STDOUT,
@@ -68,14 +102,33 @@ class Fleet:
 
     def in_section(self, slot: int) -> bool:
         """Whether the worker's last log line is a ``begin``."""
+        return self.last_begin(slot) is not None
+
+    def last_begin(self, slot: int) -> dict[str, Any] | None:
+        """The worker's last log line if it is a ``begin``."""
         try:
             with open(self.logs[slot], "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 400))
                 tail = f.read().splitlines()
         except FileNotFoundError:
-            return False
-        return bool(tail) and tail[-1].startswith(b'{"e":"begin"')
+            return None
+        if tail and tail[-1].startswith(b'{"e":"begin"'):
+            begin: dict[str, Any] = json.loads(tail[-1])
+            return begin
+        return None
+
+    def catch(self, slot: int) -> dict[str, Any] | None:
+        """SIGSTOP the worker in ``slot``; if it is inside a section once stopped, return
+        that section's ``begin`` and leave it stopped, else SIGCONT it and return None."""
+        process = self.processes[slot]
+        if process.poll() is not None:
+            return None
+        process.send_signal(signal.SIGSTOP)
+        begin = self.last_begin(slot) if stopped(process.pid) else None
+        if begin is None:
+            process.send_signal(signal.SIGCONT)
+        return begin
 
     def record(self, **event: Any) -> None:
         with self._lock, open(self.events, "a") as f:
@@ -109,12 +162,8 @@ class Fleet:
         ``begin`` means it is between that line and the section's ``end``.
         """
         process = self.processes[slot]
-        if process.poll() is not None:
-            return None
         at = time.monotonic()
-        process.send_signal(signal.SIGSTOP)
-        if not _stopped(process.pid) or not self.in_section(slot):
-            process.send_signal(signal.SIGCONT)
+        if self.catch(slot) is None:
             return None
         log = self.logs[slot].name
         self.record(e="pause", pid=process.pid, log=log, t=at, in_section=True)
@@ -145,7 +194,7 @@ class Fleet:
         return killed
 
 
-def _stopped(pid: int, timeout: float = 1.0) -> bool:
+def stopped(pid: int, timeout: float = 1.0) -> bool:
     """Wait until process ``pid`` is stopped (state ``T`` in ``/proc``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -164,7 +213,9 @@ class Chaos(threading.Thread):
     """Kills ``faults["kills"]`` workers and pauses ``faults["pauses"]`` workers for
     ``pause`` seconds (each mid-section when it can catch one) at random times, and restarts
     the store ``faults["restarts"]`` times at even intervals (cycling through its restart
-    kinds), all within the first 85% of ``duration``; stops by itself, or at ``stop()``."""
+    kinds), all within the first 85% of ``duration``; cuts off ``faults["partitions"]``
+    workers of the fleet's namespace at even intervals (each waits for the store to free the
+    holder's lease, ``probe`` watching); stops by itself, or at ``stop()``."""
 
     def __init__(
         self,
@@ -175,9 +226,10 @@ class Chaos(threading.Thread):
         pause: float,
         *,
         seed: int,
+        probe: LockBackend | None = None,
     ) -> None:
         super().__init__(name="torture-chaos", daemon=True)
-        self.fleet, self.store, self.pause_seconds = fleet, store, pause
+        self.fleet, self.store, self.pause_seconds, self.probe = fleet, store, pause, probe
         self.random = random.Random(seed)
         restarts = faults.get("restarts", 0) if store.restart_kinds else 0
         plan: list[tuple[float, str]] = []
@@ -187,8 +239,10 @@ class Chaos(threading.Thread):
                 for _ in range(faults.get(f"{what}s", 0))
             ]
         plan += [((n + 1) / (restarts + 1) * 0.85 * duration, "restart") for n in range(restarts)]
+        cuts = faults.get("partitions", 0) if fleet.cut_off() else 0
+        plan += [((n + 0.5) / cuts * 0.8 * duration, "partition") for n in range(cuts)]
         self.plan = sorted(plan)
-        self.done: dict[str, int] = {"kill": 0, "pause": 0, "restart": 0}
+        self.done: dict[str, int] = {"kill": 0, "pause": 0, "restart": 0, "partition": 0}
         self.errors: list[str] = []
         self.timers: list[threading.Timer] = []
         self._stopping = threading.Event()
@@ -212,6 +266,8 @@ class Chaos(threading.Thread):
                     self._restart()
                 elif what == "kill":
                     self.fleet.kill(self._victim())
+                elif what == "partition":
+                    self._partition()
                 else:
                     self._pause()
                 self.done[what] += 1
@@ -243,3 +299,52 @@ class Chaos(threading.Thread):
         at = time.monotonic()
         self.store.restart(kind)
         self.fleet.record(e="restart", kind=kind, t=at, t_end=time.monotonic())
+
+    def _partition(self) -> None:
+        """Cut a worker of the namespace off while it is in its section (see the module's
+        docstring), and heal the network once the store has freed its lease."""
+        assert self.fleet.cutoff is not None and self.probe is not None
+        network = self.fleet.cutoff.network
+        slots = [slot for slot in self.fleet.cut_off() if slot not in self.fleet.paused]
+        deadline, begin = time.monotonic() + 15.0, None
+        while begin is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError("found no worker of the namespace inside its section")
+            slot = self.random.choice(slots)
+            if self.fleet.in_section(slot):  # only then stop it to make sure
+                begin = self.fleet.catch(slot)
+            time.sleep(0.0005)
+        process, log = self.fleet.processes[slot], self.fleet.logs[slot].name
+        at = time.monotonic()
+        network.cut()
+        try:
+            freed = self._freed(begin["key"], begin["token"], at + FREE_LIMIT)
+            # The next holder's section (a few ms) ends before this one goes on: a stale
+            # holder that read before it and writes first loses its update, which no
+            # fence at the write can refuse (the ``pause`` kind waits past the ttl alike).
+            time.sleep(0.5)
+            resumed = time.monotonic()
+            process.send_signal(signal.SIGCONT)
+            time.sleep(1.0)  # its ledger write (stale) and its release, into the void
+        finally:
+            network.heal()
+            if process.poll() is None:
+                process.send_signal(signal.SIGCONT)
+        self.fleet.record(
+            e="partition", pid=process.pid, log=log, key=begin["key"], token=begin["token"],
+            fence=begin["fence"], t=at, t_free=freed, t_resume=resumed, t_heal=time.monotonic(),
+        )  # fmt: skip
+
+    def _freed(self, key: str, token: str, deadline: float) -> float | None:
+        """When the store no longer shows the lease ``token`` on ``key``."""
+        assert self.probe is not None
+        while time.monotonic() < deadline:
+            try:
+                lease = self.probe.get(key)
+            except BackendError:
+                time.sleep(0.05)
+                continue
+            if lease is None or lease.token != token:
+                return time.monotonic()
+            time.sleep(0.01)
+        return None

@@ -1,14 +1,14 @@
 """The invariant checker over a run's logs, its ledger and its store's history.
 
-Sections come from the workers' logs (``worker.py``); kills, pauses and restarts from
-``chaos.jsonl`` (``chaos.py``). A section's interval is from its lease's grant (``begin``) to
+Sections come from the workers' logs (``worker.py``); kills, pauses, restarts and partitions
+from ``chaos.jsonl`` (``chaos.py``). A section's interval is from its lease's grant (``begin``) to
 just before its release (``end``), or to the moment its worker was SIGKILLed. What must hold:
 
 1. No two sections on one key overlap in time, unless the later one's fence is higher and the
    ledger refused the earlier one's write ("fenced"). One more exception ("serialized"): the
-   earlier holder lost its lease to a recorded fault (a pause past the ttl, or a store
-   restart, between its write and its release) after its write was accepted, and the later
-   one read that write.
+   earlier holder lost its lease to a recorded fault (a pause past the ttl, a partition, or a
+   store restart, between its write and its release) after its write was accepted, and the
+   later one read that write. A partition's lease must be freed (``FREE_LIMIT``).
 2. Fences strictly increase per key: among sections in order of grant, and among the ledger's
    accepted writes in the order accepted.
 3. The ledger agrees with itself and with the logs: each key's counter equals its accepted
@@ -80,6 +80,10 @@ class Report:
     restarts: int = 0
     restart_kinds: str = ""
     pauses: int = 0
+    partitions: int = 0
+    freed_after: list[float] = dataclasses.field(default_factory=list)  # s, per partition
+    cut_releases: dict[str, int] = dataclasses.field(default_factory=dict)  # cut-off sections'
+    cut_outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # their records
     overlaps: int = 0  # pairs of sections that overlapped, excused ones not counted
     fenced_overlaps: int = 0
     serialized_overlaps: int = 0
@@ -120,6 +124,14 @@ def load_sections(directory: Path, events: list[dict[str, Any]], report: Report)
     restarts = [event for event in events if event["e"] == "restart"]
     report.restarts = len(restarts)
     report.pauses = sum(event["e"] == "pause" for event in events)
+    for event in events:
+        if event["e"] != "partition":
+            continue
+        report.partitions += 1
+        if event["t_free"] is None:
+            report.fail(f"{event['key']}: fence {event['fence']} cut off, its lease never freed")
+        else:
+            report.freed_after.append(round(event["t_free"] - event["t"], 3))
     report.restart_kinds = ",".join(event["kind"] for event in restarts)
     sections: list[Section] = []
     for log in sorted(directory.glob("w*.jsonl")):
@@ -230,9 +242,9 @@ def _late_writes(writes: list[tuple[int, int]], sections: dict[int, Section]) ->
 
 def _lost_by_fault(section: Section, events: list[dict[str, Any]]) -> bool:
     """Whether a recorded fault can have cost ``section`` its lease while it ran: its worker
-    was paused in it, or the store restarted during it."""
+    was paused or cut off in it, or the store restarted during it."""
     paused = (
-        event["e"] == "pause"
+        event["e"] in ("pause", "partition")
         and event["log"] == section.log
         and section.start <= event["t"] <= section.end
         for event in events
@@ -334,6 +346,9 @@ def check_history(
 ) -> None:
     """Invariant 4, for every section: its lease's record is in the store's history."""
     restarts = [event for event in events if event["e"] == "restart"]
+    cut = {event["token"] for event in events if event["e"] == "partition"}
+    releases: Counter[str] = Counter()
+    cut_outcomes: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
     for key, sections in sorted(keyed.items()):
         recorded: dict[str, list[str]] = {}
@@ -344,6 +359,9 @@ def check_history(
             found = recorded.get(section.token)
             if section.killed:
                 outcomes.update(found or ["missing"])
+            if section.token in cut:
+                releases.update([section.release or "none"])
+                cut_outcomes.update(found or ["missing"])
             if found:
                 _check_record(section, found, report)
             elif (excuse := _excuse(section, restarts)) is not None:
@@ -356,6 +374,8 @@ def check_history(
                 what = "killed holder" if section.killed else f"{section.release} release"
                 report.fail(f"{key}: no record of fence {section.fence} ({what}, {section.log})")
     report.killed_outcomes = dict(sorted(outcomes.items()))
+    report.cut_releases = dict(sorted(releases.items()))
+    report.cut_outcomes = dict(sorted(cut_outcomes.items()))
 
 
 def check(directory: Path, store: str, backend: LockBackend, ledger: Ledger) -> Report:
@@ -376,6 +396,8 @@ COLUMNS = (
     ("in section", "killed_in_section"),
     ("pauses", "pauses"),
     ("restarts", "restarts"),
+    ("partitions", "partitions"),
+    ("freed after s", "freed_after"),
     ("overlaps", "overlaps"),
     ("fenced overlaps", "fenced_overlaps"),
     ("refused stale writes", "refused"),
@@ -392,7 +414,10 @@ def table(reports: list[Report]) -> str:
         cells = []
         for _, name in COLUMNS:
             value = getattr(report, name)
-            cells.append(f"{value:.1f}" if isinstance(value, float) else str(value))
+            if isinstance(value, list):
+                cells.append(", ".join(f"{item:.1f}" for item in value) or "-")
+            else:
+                cells.append(f"{value:.1f}" if isinstance(value, float) else str(value))
         rows.append(cells)
     widths = [max(len(row[n]) for row in rows) for n in range(len(COLUMNS))]
     lines = [

@@ -19,7 +19,7 @@ import fcntl
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,9 +46,12 @@ class Ledger:
         """The key's counter now."""
         raise NotImplementedError
 
-    def write(self, key: str, fence: int, counter: int) -> bool:
+    def write(
+        self, key: str, fence: int, counter: int, then: Callable[[Any], None] | None = None
+    ) -> bool:
         """Set the key's counter if ``fence`` is above the last accepted one; True if
-        accepted (and journalled)."""
+        accepted (and journalled). ``then(cursor)``, if given, runs in the same transaction
+        once accepted (Postgres only: the soak's ``record_success``)."""
         raise NotImplementedError
 
     def state(self) -> dict[str, tuple[int, int]]:
@@ -110,24 +113,41 @@ class PostgresLedger(Ledger):
             " at timestamptz NOT NULL DEFAULT clock_timestamp())",
             patience=PATIENCE,
         )
-        for key in keys:
-            self._execute("INSERT INTO {t} VALUES (%s, 0, 0)", (key,), patience=PATIENCE)
+        # keys | a counter of 0 and a fence of 0 for each
+        self._execute(
+            "INSERT INTO {t} SELECT unnest(%s::text[]), 0, 0", (list(keys),), patience=PATIENCE
+        )
 
     def read(self, key: str) -> int:
         # key | the counter
         row = self._execute("SELECT counter FROM {t} WHERE key = %s", (key,)).fetchone()
         return int(row[0])
 
-    def write(self, key: str, fence: int, counter: int) -> bool:
+    def write(
+        self, key: str, fence: int, counter: int, then: Callable[[Any], None] | None = None
+    ) -> bool:
         # key, fence, counter | one journal row if accepted (fence above the last), else none
-        row = self._execute(
+        sql = (
             "WITH changed AS (UPDATE {t} SET counter = %(counter)s, last_fence = %(fence)s"
             " WHERE key = %(key)s AND last_fence < %(fence)s RETURNING key)"
             " INSERT INTO {t}_journal (key, fence, counter)"
-            " SELECT key, %(fence)s, %(counter)s FROM changed RETURNING id",
-            {"key": key, "fence": fence, "counter": counter},
-        ).fetchone()
-        return row is not None
+            " SELECT key, %(fence)s, %(counter)s FROM changed RETURNING id"
+        )
+        args = {"key": key, "fence": fence, "counter": counter}
+        if then is None:
+            return self._execute(sql, args).fetchone() is not None
+        import psycopg
+
+        self._execute("SELECT 1")  # a live connection, or a LedgerError before the write
+        try:
+            with self._connection.transaction():
+                cursor = self._connection.execute(sql.replace("{t}", self.table), args)
+                accepted = cursor.fetchone() is not None
+                if accepted:
+                    then(cursor)
+        except psycopg.OperationalError as exc:
+            raise LedgerError(f"the ledger's server failed: {exc}") from exc
+        return accepted
 
     def state(self) -> dict[str, tuple[int, int]]:
         # | every key's counter and last fence
@@ -135,6 +155,12 @@ class PostgresLedger(Ledger):
             "SELECT key, counter, last_fence FROM {t}", patience=PATIENCE
         ).fetchall()
         return {key: (int(counter), int(fence)) for key, counter, fence in rows}
+
+    def written(self) -> int:
+        """How many keys have been written (a counter above 0)."""
+        # | the number of keys with a counter above 0
+        row = self._execute("SELECT count(*) FROM {t} WHERE counter > 0", patience=PATIENCE)
+        return int(row.fetchone()[0])
 
     def journal(self) -> dict[str, list[tuple[int, int]]]:
         # | the accepted writes in the order accepted
@@ -208,7 +234,11 @@ class FileLedger(Ledger):
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def write(self, key: str, fence: int, counter: int) -> bool:
+    def write(
+        self, key: str, fence: int, counter: int, then: Callable[[Any], None] | None = None
+    ) -> bool:
+        if then is not None:
+            raise ValueError("the file ledger has no transactions to run `then` in")
         fd = self._fd(key)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from celery_dlock import BackendError, LockBackend, backend_from_url
 
-from .chaos import Chaos, Fleet
+from .chaos import FREE_LIMIT, Chaos, Cutoff, Fleet
 from .check import Report, check
 from .ledger import Ledger, open_ledger
+from .netns import Network
 from .servers import Store, make_store
 from .worker import Job
 
@@ -42,6 +43,11 @@ class Settings:
     kills: int = 10
     pauses: int = 2
     restarts: int = 2
+    partitions: int = 0
+    cut_off: int = 2  # workers in the namespace that partitions cut off (if any)
+    #: URL options of the cut-off workers (Postgres: their keepalives), e.g.
+    #: ``keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=3000``.
+    cut_off_options: str = ""
     ttl: float = 3.0
     wait: float = 2.0
     hold: float = 0.003
@@ -52,7 +58,9 @@ class Settings:
 
 
 def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
-    kind = settings.ledger or ("postgres" if settings.store == "postgres" else "file")
+    # A cut-off worker's namespace reaches the store only: its ledger is in files.
+    shared = settings.store == "postgres" and not settings.partitions
+    kind = settings.ledger or ("postgres" if shared else "file")
     if kind == "file":
         return f"file://{directory / 'ledger'}"
     if kind == "postgres":
@@ -60,13 +68,16 @@ def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
     raise ValueError(f"ledger must be file or postgres, not {kind!r}")
 
 
-def _store_url(store: Store) -> str:
-    url = store.url()
+def _store_url(store: Store, host: str = "127.0.0.1", migrate: bool = True) -> str:
+    """The store's URL through ``host``; a Postgres store's tables made first (``migrate``)."""
+    url = store.url(host)
     if store.name == "postgres":
         from celery_dlock.backends.postgres import PostgresBackend  # the optional driver
 
         # Few waiter connections per process: 16 workers x 9 would crowd a small server.
         url += "?max_waiters=2"
+        if not migrate:
+            return url
         backend = PostgresBackend.from_url(url)
         try:
             backend.migrate()
@@ -90,20 +101,42 @@ def settle(backend: LockBackend, prefix: str, timeout: float) -> int:
         time.sleep(0.2)
 
 
-def _run_workers(settings: Settings, store: Store, job: Job, directory: Path) -> Chaos:
-    fleet = Fleet(job, directory, settings.workers, settings.seed)
-    faults = {"kills": settings.kills, "pauses": settings.pauses, "restarts": settings.restarts}
+def _cutoff(settings: Settings, store: Store, job: Job, network: Network | None) -> Cutoff | None:
+    """The workers that partitions cut off: in the namespace, through its link, with no
+    ttl on Postgres (its session's liveness alone, so the keepalives free the lease)."""
+    if network is None:
+        return None
+    url = _store_url(store, network.host, migrate=False)
+    if settings.cut_off_options:
+        url += ("&" if "?" in url else "?") + settings.cut_off_options
+    ttl = None if store.name == "postgres" else job.ttl
+    return Cutoff(network, dataclasses.replace(job, store_url=url, ttl=ttl), settings.cut_off)
+
+
+def _run_workers(
+    settings: Settings, store: Store, job: Job, directory: Path, cutoff: Cutoff | None
+) -> Chaos:
+    fleet = Fleet(job, directory, settings.workers, settings.seed, cutoff)
+    faults = {
+        "kills": settings.kills, "pauses": settings.pauses, "restarts": settings.restarts,
+        "partitions": settings.partitions,
+    }  # fmt: skip
     pause = settings.ttl + 1.0
-    chaos = Chaos(fleet, store, faults, settings.seconds, pause, seed=settings.seed)
+    # What the partitions watch for the cut-off holder's lease to be freed.
+    probe = backend_from_url(job.store_url) if cutoff is not None else None
+    chaos = Chaos(fleet, store, faults, settings.seconds, pause, seed=settings.seed, probe=probe)
     deadline = time.monotonic() + settings.seconds
     fleet.start()
     chaos.start()
     try:
-        chaos.join(settings.seconds)
+        # Partitions last as long as the store takes to free a lease: let them all happen.
+        chaos.join(settings.seconds + settings.partitions * FREE_LIMIT)
         time.sleep(max(0.0, deadline - time.monotonic()))
     finally:
         chaos.stop()
         fleet.stop(timeout=settings.ttl + settings.wait + 15)
+        if probe is not None:
+            probe.close()
     return chaos
 
 
@@ -114,7 +147,11 @@ def torture(settings: Settings) -> Report:
     store = make_store(settings.store, restart_delay=max(1.0, settings.ttl / 2))
     ledger: Ledger | None = None
     backend: LockBackend | None = None
+    network = Network(run_id) if settings.partitions and settings.store != "file" else None
     try:
+        if network is not None:
+            network.start()
+            store.reach(network.host, network.subnet)
         store.start()
         url = _store_url(store)
         prefix = f"torture:{run_id}:"
@@ -126,8 +163,9 @@ def torture(settings: Settings) -> Report:
             url, spec, keys, settings.ttl, settings.wait, settings.hold, log="",
             stop=str(directory / "stop"), broken=settings.broken,
         )  # fmt: skip
+        cutoff = _cutoff(settings, store, job, network)
         began = time.monotonic()
-        chaos = _run_workers(settings, store, job, directory)
+        chaos = _run_workers(settings, store, job, directory, cutoff)
         duration = time.monotonic() - began
         backend = backend_from_url(url)
         left = settle(backend, prefix, settings.ttl + 10)
@@ -148,6 +186,8 @@ def torture(settings: Settings) -> Report:
                 ledger.drop()
             ledger.close()
         store.stop()
+        if network is not None:
+            network.close()
         if settings.keep is not None:
             shutil.copytree(directory, settings.keep / directory.name, dirs_exist_ok=True)
         shutil.rmtree(directory, ignore_errors=True)

@@ -59,8 +59,13 @@ class Store:
 
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix=f"dlock-torture-{self.name}-"))
+        self.hosts = ["127.0.0.1"]  # where it listens: loopback, and a namespace's link
 
-    def url(self) -> str:
+    def reach(self, host: str, subnet: str) -> None:
+        """Also listen on ``host`` and let ``subnet`` in (before ``start``)."""
+        self.hosts.append(host)
+
+    def url(self, host: str = "127.0.0.1") -> str:
         raise NotImplementedError
 
     def start(self) -> None:
@@ -77,7 +82,7 @@ class Store:
 class FileStore(Store):
     name = "file"
 
-    def url(self) -> str:
+    def url(self, host: str = "127.0.0.1") -> str:
         return f"file://{self.directory}/locks"
 
 
@@ -107,12 +112,18 @@ class PostgresServer(Store):
         if done.returncode != 0:
             raise RuntimeError(f"{command[0]} failed: {done.stdout}{done.stderr}")
 
-    def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+    def reach(self, host: str, subnet: str) -> None:
+        super().reach(host, subnet)
+        with open(self.data / "pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {subnet} trust\n")
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        return f"postgresql://postgres@{host}:{self.port}/postgres"
 
     def start(self) -> None:
         options = (
-            f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=on "
+            f"-p {self.port} -k {self.directory} -c listen_addresses={','.join(self.hosts)} "
+            "-c fsync=on "
             "-c max_connections=400 -c shared_buffers=32MB"
         )
         self._as_postgres(
@@ -149,11 +160,11 @@ class RedisServer(Store):
         self.restart_delay = restart_delay
         self.process: subprocess.Popen[bytes] | None = None
 
-    def url(self) -> str:
+    def url(self, host: str = "127.0.0.1") -> str:
         # A fresh server refuses grants for restart_delay (it may have just lost its data);
         # the history must hold a whole run.
         return (
-            f"redis://127.0.0.1:{self.port}/0?prefix=torture"
+            f"redis://{host}:{self.port}/0?prefix=torture"
             f"&restart_delay={self.restart_delay}&history_maxlen=100000000"
         )
 
@@ -162,7 +173,8 @@ class RedisServer(Store):
         if executable is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         args = [
-            executable, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+            executable, "--bind", *self.hosts, "--protected-mode", "no", "--port", str(self.port),
+            "--save", "",
             "--appendonly", "yes", "--appendfsync", "always", "--dir", str(self.directory),
             "--maxmemory-policy", "noeviction",
         ]  # fmt: skip

@@ -51,7 +51,7 @@ class Job:
     store_url: str
     ledger: str
     keys: list[str]
-    ttl: float
+    ttl: float | None  # None: the store's liveness alone (a partitioned Postgres holder)
     wait: float
     hold: float
     log: str
@@ -72,7 +72,7 @@ class StealingLock:
     (whoever holds it, through the store's current lease) and taken, so that two holders
     are in the section at once. The checker must see it."""
 
-    def __init__(self, backend: LockBackend, key: str, ttl: float, wait: float) -> None:
+    def __init__(self, backend: LockBackend, key: str, ttl: float | None, wait: float) -> None:
         self.backend, self.key = backend, key
         self.lock = Lock(backend, key, ttl=ttl, wait=wait)
 
