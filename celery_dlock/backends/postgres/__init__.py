@@ -16,7 +16,8 @@ Options
     probes; default 10, 5, 3) and ``tcp_user_timeout`` (milliseconds, default 30000): libpq's
     own parameters and units, set on our connections and mirrored to the server's
     ``tcp_keepalives_*`` and ``tcp_user_timeout``, so each end notices a vanished peer in
-    about 25 s.
+    about 30 s (measured 30.5 s: on Linux ``tcp_user_timeout`` bounds the keepalive probes
+    too, so lower it, not only the keepalives, to notice sooner).
     ``max_waiters`` (default 8): waiter connections per process; more threads waiting at
     once than that poll every 25-50 ms instead.
     ``liveness`` (``session``, the default, or ``ttl``) and ``ttl`` (seconds, required with
@@ -32,9 +33,9 @@ Guarantees
     holds that lock (``pg_locks``): its process died, its connection broke, or the server
     ended the session. ``try_acquire`` then takes the key over and records
     ``disconnected``; an optional ``ttl`` (judged by the server's clock) also frees a hung
-    but connected holder (``expired``). Server-side TCP keepalives notice a vanished host in
-    about 25 s. A transaction-mode pooler (the backend pid changes between transactions) is
-    refused.
+    but connected holder (``expired``). Server-side TCP keepalives and ``tcp_user_timeout``
+    notice a vanished host in about 30 s. A transaction-mode pooler (the backend pid
+    changes between transactions) is refused.
     fences: from one sequence (``CACHE 1``); grants of a key are serialised, so fences
     increase per key in the order of grants, across clients and restarts.
     crash: when the lock session ends, every lease it held is lost: its ``release`` and
