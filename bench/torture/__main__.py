@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -14,11 +15,16 @@ from . import netns
 from .check import Report, table
 from .run import Settings, torture
 
-#: ``--short``: the CI run, a few thousand acquisitions per store in about 15 s.
-SHORT = {"seconds": 10.0, "kills": 4, "pauses": 1, "restarts": 2}
+#: ``--short``: the CI run, a few thousand acquisitions per store in about 15 s; the file
+#: store's disk full twice (as root).
+SHORT = {"seconds": 10.0, "kills": 4, "pauses": 1, "restarts": 2, "diskfulls": 2}
 #: ``--long``: the issue's long mode (about an hour per store on two cores).
 LONG = {"seconds": 3600.0, "kills": 120, "pauses": 30, "restarts": 6, "partitions": 10}
-STORES = ("file", "postgres", "redis")
+STORES = ("file", "postgres", "redis", "s3", "gcs")
+#: Lease ttl and Lock wait (s) where ``--ttl`` and ``--wait`` are not given: 3 and 2, but 1 and
+#: 1 for the object stores (3-5 ms a call, a waiter polling up to 1 s apart: a killed holder's
+#: key held for a 3 s ttl would leave a short run with few acquisitions).
+TIMING = {"s3": (1.0, 1.0), "gcs": (1.0, 1.0)}
 
 
 def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
@@ -28,7 +34,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--store", required=True, help="file, postgres, redis, or several: file,postgres,redis"
+        "--store", required=True, help="file, postgres, redis, s3, gcs, or several: s3,gcs"
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--short", action="store_true", help=f"CI size: {SHORT}")
@@ -38,7 +44,14 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument("--seconds", type=float, help="run time per store (60)")
     parser.add_argument("--kills", type=int, help="workers SIGKILLed per store (10)")
     parser.add_argument("--pauses", type=int, help="workers SIGSTOPped for ttl + 1 s (2)")
-    parser.add_argument("--restarts", type=int, help="store restarts (2; none for file)")
+    parser.add_argument(
+        "--restarts", type=int, help="store restarts (2; none for file, s3 and gcs)"
+    )
+    parser.add_argument(
+        "--diskfulls",
+        type=int,
+        help="the file store's disk full for a second (0; file only: a tmpfs, as root)",
+    )
     parser.add_argument(
         "--partitions",
         type=int,
@@ -53,8 +66,8 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
         help="URL options of the cut-off workers, e.g. Postgres keepalives: "
         "keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=3000",
     )
-    parser.add_argument("--ttl", type=float, default=3.0, help="lease ttl (3 s)")
-    parser.add_argument("--wait", type=float, default=2.0, help="Lock wait (2 s)")
+    parser.add_argument("--ttl", type=float, help="lease ttl (3 s; 1 s for s3 and gcs)")
+    parser.add_argument("--wait", type=float, help="Lock wait (2 s; 1 s for s3 and gcs)")
     parser.add_argument("--hold", type=float, default=0.003, help="longest section pause (s)")
     parser.add_argument("--ledger", choices=("file", "postgres"), help="where the ledger lives")
     parser.add_argument(
@@ -71,18 +84,26 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     sized = SHORT if options.short else LONG if options.long else {}
     counts = {
         name: getattr(options, name) if getattr(options, name) is not None else sized.get(name)
-        for name in ("seconds", "kills", "pauses", "restarts", "partitions")
+        for name in ("seconds", "kills", "pauses", "restarts", "partitions", "diskfulls")
     }
     networked = set(stores) & {"postgres", "redis"}
     if counts["partitions"] and networked and (reason := netns.unavailable()) is not None:
         parser.error(f"partitions: {reason} (or pass --partitions 0)")
+    if options.diskfulls and (set(stores) - {"file"} or os.geteuid() != 0):
+        parser.error("diskfulls: the file store alone, as root (it mounts a tmpfs)")
     common = {name: value for name, value in counts.items() if value is not None}
+    # The short mode's full disks: the file store's, as root; none for the other stores.
+    fulls = common.pop("diskfulls", 0)
+    fulls = fulls if os.geteuid() == 0 else 0
     runs = [
         Settings(
-            store=store, workers=options.workers, keys=options.keys, ttl=options.ttl,
-            wait=options.wait, hold=options.hold, ledger=options.ledger, broken=options.broken,
+            store=store, workers=options.workers, keys=options.keys,
+            ttl=options.ttl if options.ttl is not None else TIMING.get(store, (3.0, 2.0))[0],
+            wait=options.wait if options.wait is not None else TIMING.get(store, (3.0, 2.0))[1],
+            hold=options.hold, ledger=options.ledger, broken=options.broken,
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
-            cut_off_options=options.cut_off_options, **common,  # type: ignore[arg-type]
+            cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
+            **common,  # type: ignore[arg-type]
         )
         for store in stores
     ]  # fmt: skip
@@ -101,7 +122,8 @@ def main(argv: list[str]) -> int:
     print(table(reports))
     for report in reports:
         print(
-            f"{report.store}: busy {report.busy}, store errors {report.store_errors}, "
+            f"{report.store}: busy {report.busy}, store errors {report.store_errors} "
+            f"(releases {report.release_errors}), "
             f"ledger errors {report.ledger_errors}, "
             f"overlaps fenced {report.fenced_overlaps}, serialized {report.serialized_overlaps}, "
             f"late writes {report.late_writes}, lost releases {report.lost_releases}, "

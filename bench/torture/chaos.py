@@ -1,5 +1,5 @@
-"""The workers' processes (:class:`Fleet`) and the chaos thread that kills and pauses them
-and restarts the store (:class:`Chaos`), bounded in count and time.
+"""The workers' processes (:class:`Fleet`) and the chaos thread that kills and pauses them,
+restarts the store or fills its disk (:class:`Chaos`), bounded in count and time.
 
 Every fault is written to ``chaos.jsonl`` in the run's directory, with ``time.monotonic()``
 taken just before it:
@@ -13,6 +13,8 @@ taken just before it:
   a stopped VM) that wakes up in its section after another took its key.
 - ``{"e": "restart", "kind", "t", "t_end"}``: the store restarted, written once it answers
   again (``t_end``).
+- ``{"e": "diskfull", "t", "t_full", "t_end"}``: the file store's disk filled from ``t``,
+  full at ``t_full``, emptied at ``t_end``.
 - ``{"e": "partition", "pid", "log", "key", "token", "fence", "t", "t_free", "t_resume",
   "t_heal"}``: a worker in the network namespace (``netns.py``) caught in its section
   (SIGSTOPped), cut off from the store at ``t``; its lease seen freed by the store (gone, or
@@ -46,6 +48,8 @@ __all__ = ["Chaos", "Cutoff", "Fleet", "stopped"]
 REPO = Path(__file__).resolve().parents[2]
 #: Seconds a partition waits for the store to free the cut-off holder's lease.
 FREE_LIMIT = 120.0
+#: Seconds a full disk stays full.
+DISKFULL = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,11 +215,12 @@ def stopped(pid: int, timeout: float = 1.0) -> bool:
 
 class Chaos(threading.Thread):
     """Kills ``faults["kills"]`` workers and pauses ``faults["pauses"]`` workers for
-    ``pause`` seconds (each mid-section when it can catch one) at random times, and restarts
-    the store ``faults["restarts"]`` times at even intervals (cycling through its restart
-    kinds), all within the first 85% of ``duration``; cuts off ``faults["partitions"]``
-    workers of the fleet's namespace at even intervals (each waits for the store to free the
-    holder's lease, ``probe`` watching); stops by itself, or at ``stop()``."""
+    ``pause`` seconds (each mid-section when it can catch one) at random times, restarts
+    the store ``faults["restarts"]`` times (cycling through its restart kinds) and fills
+    its disk ``faults["diskfulls"]`` times at even intervals, all within the first 85% of
+    ``duration``; cuts off ``faults["partitions"]`` workers of the fleet's namespace at even
+    intervals (each waits for the store to free the holder's lease, ``probe`` watching);
+    stops by itself, or at ``stop()``."""
 
     def __init__(
         self,
@@ -239,10 +244,12 @@ class Chaos(threading.Thread):
                 for _ in range(faults.get(f"{what}s", 0))
             ]
         plan += [((n + 1) / (restarts + 1) * 0.85 * duration, "restart") for n in range(restarts)]
+        fulls = faults.get("diskfulls", 0)
+        plan += [((n + 0.5) / fulls * 0.85 * duration, "diskfull") for n in range(fulls)]
         cuts = faults.get("partitions", 0) if fleet.cut_off() else 0
         plan += [((n + 0.5) / cuts * 0.8 * duration, "partition") for n in range(cuts)]
         self.plan = sorted(plan)
-        self.done: dict[str, int] = {"kill": 0, "pause": 0, "restart": 0, "partition": 0}
+        self.done = {"kill": 0, "pause": 0, "restart": 0, "partition": 0, "diskfull": 0}
         self.errors: list[str] = []
         self.timers: list[threading.Timer] = []
         self._stopping = threading.Event()
@@ -268,6 +275,8 @@ class Chaos(threading.Thread):
                     self.fleet.kill(self._victim())
                 elif what == "partition":
                     self._partition()
+                elif what == "diskfull":
+                    self._diskfull()
                 else:
                     self._pause()
                 self.done[what] += 1
@@ -299,6 +308,12 @@ class Chaos(threading.Thread):
         at = time.monotonic()
         self.store.restart(kind)
         self.fleet.record(e="restart", kind=kind, t=at, t_end=time.monotonic())
+
+    def _diskfull(self) -> None:
+        """Fill the file store's disk for a second (its ``fill``), then free it."""
+        at = time.monotonic()
+        full = self.store.fill(DISKFULL)
+        self.fleet.record(e="diskfull", t=at, t_full=full, t_end=time.monotonic())
 
     def _partition(self) -> None:
         """Cut a worker of the namespace off while it is in its section (see the module's

@@ -73,7 +73,8 @@ class Report:
     duration: float = 0.0
     acquisitions: int = 0
     busy: int = 0
-    store_errors: int = 0
+    store_errors: int = 0  # acquires that failed
+    release_errors: int = 0
     ledger_errors: int = 0
     kills: int = 0
     killed_in_section: int = 0
@@ -81,6 +82,7 @@ class Report:
     restart_kinds: str = ""
     pauses: int = 0
     partitions: int = 0
+    diskfulls: int = 0
     freed_after: list[float] = dataclasses.field(default_factory=list)  # s, per partition
     cut_releases: dict[str, int] = dataclasses.field(default_factory=dict)  # cut-off sections'
     cut_outcomes: dict[str, int] = dataclasses.field(default_factory=dict)  # their records
@@ -124,6 +126,7 @@ def load_sections(directory: Path, events: list[dict[str, Any]], report: Report)
     restarts = [event for event in events if event["e"] == "restart"]
     report.restarts = len(restarts)
     report.pauses = sum(event["e"] == "pause" for event in events)
+    report.diskfulls = sum(event["e"] == "diskfull" for event in events)
     for event in events:
         if event["e"] != "partition":
             continue
@@ -213,6 +216,7 @@ def check_ledger(keyed: dict[str, list[Section]], ledger: Ledger, report: Report
                 )
             report.refused += section.accepted is False
             report.lost_releases += section.release == "lost"
+            report.release_errors += section.release == "error"
 
 
 def _late_writes(writes: list[tuple[int, int]], sections: dict[int, Section]) -> int:
@@ -397,6 +401,7 @@ COLUMNS = (
     ("pauses", "pauses"),
     ("restarts", "restarts"),
     ("partitions", "partitions"),
+    ("disk fulls", "diskfulls"),
     ("freed after s", "freed_after"),
     ("overlaps", "overlaps"),
     ("fenced overlaps", "fenced_overlaps"),

@@ -44,6 +44,7 @@ class Settings:
     pauses: int = 2
     restarts: int = 2
     partitions: int = 0
+    diskfulls: int = 0  # the file store's disk full for a second (on a tmpfs, as root)
     cut_off: int = 2  # workers in the namespace that partitions cut off (if any)
     #: URL options of the cut-off workers (Postgres: their keepalives), e.g.
     #: ``keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=3000``.
@@ -119,7 +120,7 @@ def _run_workers(
     fleet = Fleet(job, directory, settings.workers, settings.seed, cutoff)
     faults = {
         "kills": settings.kills, "pauses": settings.pauses, "restarts": settings.restarts,
-        "partitions": settings.partitions,
+        "partitions": settings.partitions, "diskfulls": settings.diskfulls,
     }  # fmt: skip
     pause = settings.ttl + 1.0
     # What the partitions watch for the cut-off holder's lease to be freed.
@@ -144,10 +145,13 @@ def torture(settings: Settings) -> Report:
     """Run ``settings`` and check it."""
     run_id = os.urandom(4).hex()
     directory = Path(tempfile.mkdtemp(prefix=f"dlock-torture-run-{settings.store}-"))
-    store = make_store(settings.store, restart_delay=max(1.0, settings.ttl / 2))
+    store = make_store(
+        settings.store, restart_delay=max(1.0, settings.ttl / 2), full_disk=settings.diskfulls > 0
+    )
     ledger: Ledger | None = None
     backend: LockBackend | None = None
-    network = Network(run_id) if settings.partitions and settings.store != "file" else None
+    networked = settings.store in ("postgres", "redis")
+    network = Network(run_id) if settings.partitions and networked else None
     try:
         if network is not None:
             network.start()

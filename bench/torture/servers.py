@@ -10,12 +10,18 @@ checked):
   the next start) and ``fast`` (``-m fast``: sessions ended, a clean shutdown).
 - redis: ``wiped`` (SIGKILL, restarted with no data: a Redis without persistence) and ``aof``
   (SIGKILL, restarted on its ``appendfsync always`` file: nothing lost).
-- file: no server, no restarts.
+- file: no server, no restarts. With ``full_disk`` its directory is a tmpfs of 8 MiB
+  (``mount``, as root; unmounted at the end), which ``fill(seconds)`` fills with a filler
+  file, then empties: a full disk (ENOSPC) for ``seconds``.
+- s3 and gcs: a private SeaweedFS (``weed mini``) and a private fake-gcs-server (in memory),
+  started by ``tests/support/objectstore_servers.py``; no restarts (fake-gcs-server keeps
+  its objects in memory, and ``weed mini`` takes seconds to come back) and no partitions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pwd
 import shlex
@@ -27,8 +33,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
-__all__ = ["FileStore", "PostgresServer", "RedisServer", "Store", "free_port", "make_store"]
+from tests.support import objectstore_servers
+
+__all__ = [
+    "FileStore", "ObjectStoreServer", "PostgresServer", "RedisServer", "Store", "free_port",
+    "make_store",
+]  # fmt: skip
 
 PG_BIN = Path(os.environ.get("DLOCK_TORTURE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 #: Restarts that may lose what the store wrote shortly before (see ``check.py``).
@@ -74,6 +86,10 @@ class Store:
     def restart(self, kind: str) -> None:
         raise ValueError(f"the {self.name} store cannot restart ({kind!r})")
 
+    def fill(self, seconds: float) -> float:
+        """Fill the store's disk for ``seconds``; returns when it was full."""
+        raise ValueError(f"the {self.name} store's disk cannot be filled")
+
     def stop(self) -> None:
         """Stop the server and remove its files."""
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -82,8 +98,45 @@ class Store:
 class FileStore(Store):
     name = "file"
 
+    def __init__(self, full_disk: bool = False) -> None:
+        super().__init__()
+        self.mounted = False
+        if full_disk:
+            command = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(self.directory)]
+            subprocess.run(command, capture_output=True, timeout=30, check=True)
+            self.mounted = True
+
     def url(self, host: str = "127.0.0.1") -> str:
         return f"file://{self.directory}/locks"
+
+    def fill(self, seconds: float) -> float:
+        """Fill the tmpfs to its last byte, keep it full for ``seconds``, empty it again;
+        returns when it was full (``time.monotonic()``)."""
+        if not self.mounted:
+            return super().fill(seconds)
+        filler = self.directory / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            size = 1 << 20
+            while size:  # halving on ENOSPC down to one byte: no room left at all
+                try:
+                    os.write(fd, bytes(size))
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    size //= 2
+            full = time.monotonic()
+            time.sleep(seconds)
+        finally:
+            os.close(fd)
+            filler.unlink()
+        return full
+
+    def stop(self) -> None:
+        if self.mounted:
+            umount = ["umount", str(self.directory)]
+            subprocess.run(umount, capture_output=True, timeout=30, check=False)
+        super().stop()
 
 
 class PostgresServer(Store):
@@ -215,12 +268,43 @@ class RedisServer(Store):
         super().stop()
 
 
-def make_store(name: str, restart_delay: float) -> Store:
-    """The private store for ``name`` (not started)."""
+class ObjectStoreServer(Store):
+    """A private S3 (SeaweedFS) or GCS (fake-gcs-server) server on free ports; the run's
+    locks under a prefix of their own in the test bucket."""
+
+    STARTERS: ClassVar[dict[str, Callable[[], objectstore_servers.Server]]] = {
+        "s3": objectstore_servers.start_seaweedfs,
+        "gcs": objectstore_servers.start_fake_gcs,
+    }
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__()
+        self.server: objectstore_servers.Server | None = None
+        self.prefix = objectstore_servers.unique_prefix()
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        assert self.server is not None, "start the server first"
+        return self.server.url(self.prefix)
+
+    def start(self) -> None:
+        self.server = self.STARTERS[self.name]()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        super().stop()
+
+
+def make_store(name: str, restart_delay: float, full_disk: bool = False) -> Store:
+    """The private store for ``name`` (not started); a file store on a tmpfs that
+    ``fill`` can fill if ``full_disk``."""
     if name == "file":
-        return FileStore()
+        return FileStore(full_disk)
+    if name in ObjectStoreServer.STARTERS:
+        return ObjectStoreServer(name)
     if name == "postgres":
         return PostgresServer()
     if name == "redis":
         return RedisServer(restart_delay)
-    raise ValueError(f"unknown store {name!r}: file, postgres or redis")
+    raise ValueError(f"unknown store {name!r}: file, postgres, redis, s3 or gcs")
