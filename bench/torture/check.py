@@ -67,8 +67,21 @@ class Section:
     landed: bool = False  # its write is in the ledger's journal
 
 
+@dataclasses.dataclass(kw_only=True)
+class Findings:
+    """The violations a check found, and the first ``SHOWN`` of them in words."""
+
+    violations: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def fail(self, problem: str) -> None:
+        self.violations += 1
+        if len(self.problems) < SHOWN:
+            self.problems.append(problem)
+
+
 @dataclasses.dataclass
-class Report:
+class Report(Findings):
     store: str
     duration: float = 0.0
     acquisitions: int = 0
@@ -97,16 +110,10 @@ class Report:
     excused_records: int = 0
     crash_loss: float = 0.0  # seconds of acknowledged history before a crash found missing
     killed_outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
-    violations: int = 0
-    problems: list[str] = dataclasses.field(default_factory=list)
-
-    def fail(self, problem: str) -> None:
-        self.violations += 1
-        if len(self.problems) < SHOWN:
-            self.problems.append(problem)
 
 
-def _lines(path: Path) -> Iterable[dict[str, Any]]:
+def json_lines(path: Path) -> Iterable[dict[str, Any]]:
+    """The JSON lines of a log, without a last line that a SIGKILL cut short."""
     with open(path, "rb") as f:
         for line in f:
             if line.endswith(b"\n"):  # a line cut by SIGKILL is not a line
@@ -116,7 +123,7 @@ def _lines(path: Path) -> Iterable[dict[str, Any]]:
 def load_events(directory: Path) -> list[dict[str, Any]]:
     """The chaos thread's record of the run's faults."""
     path = directory / "chaos.jsonl"
-    return list(_lines(path)) if path.exists() else []
+    return list(json_lines(path)) if path.exists() else []
 
 
 def load_sections(directory: Path, events: list[dict[str, Any]], report: Report) -> list[Section]:
@@ -139,7 +146,7 @@ def load_sections(directory: Path, events: list[dict[str, Any]], report: Report)
     sections: list[Section] = []
     for log in sorted(directory.glob("w*.jsonl")):
         mine: dict[str, Section] = {}
-        for entry in _lines(log):
+        for entry in json_lines(log):
             kind = entry["e"]
             if kind == "begin":
                 section = Section(

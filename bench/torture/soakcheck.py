@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import math
 import time
 from collections import Counter
@@ -28,16 +27,16 @@ from typing import Any
 
 from celery_dlock import BackendError, LockBackend, backend_from_url
 
+from .check import Findings, json_lines
 from .ledger import Ledger
 
 __all__ = ["SoakReport", "check", "table"]
 
 KILLED = {"disconnected", "expired", "lost"}
-SHOWN = 20
 
 
 @dataclasses.dataclass
-class SoakReport:
+class SoakReport(Findings):
     tasks: int
     duplicates: int
     published: int = 0
@@ -61,13 +60,6 @@ class SoakReport:
     records_checked: int = 0
     lost_records: int = 0
     killed_outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
-    violations: int = 0
-    problems: list[str] = dataclasses.field(default_factory=list)
-
-    def fail(self, problem: str) -> None:
-        self.violations += 1
-        if len(self.problems) < SHOWN:
-            self.problems.append(problem)
 
     def summary(self) -> str:
         return (
@@ -91,17 +83,12 @@ class Body:
     accepted: bool | str | None = None
 
 
-def _lines(path: Path) -> list[dict[str, Any]]:
-    with open(path, "rb") as f:
-        return [json.loads(line) for line in f if line.endswith(b"\n")]
-
-
 def load_bodies(logs: Path, kills: dict[int, float], report: SoakReport) -> list[Body]:
     bodies: list[Body] = []
     for path in sorted(logs.glob("body-*.jsonl")):
         pid = int(path.stem.removeprefix("body-"))
         mine: dict[str, Body] = {}
-        for entry in _lines(path):
+        for entry in json_lines(path):
             if entry["e"] == "start":
                 body = Body(entry["key"], entry["token"], entry["fence"], entry["t"], pid)
                 mine[body.token] = body
