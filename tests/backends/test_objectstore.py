@@ -345,6 +345,82 @@ def test_a_record_lost_between_swap_and_history_is_copied_by_reap(
     assert backend.history(key="job:gap") == [record]
 
 
+def _view(url: str) -> ObjectStoreBackend:
+    """Another process's view of the bucket: it knows nothing of what this one wrote."""
+    made = backend_from_url(url)
+    assert isinstance(made, ObjectStoreBackend)
+    return made
+
+
+def _unwritten(backend: ObjectStoreBackend, key: str, ended_by: str) -> tuple[str, Lease | None]:
+    """End a lease on ``key`` with every history write failing, as a writer killed between
+    its swap and its copy to history leaves it: by a release (the key is then free) or by
+    the takeover of a lease whose holder died (abandoned here; the taker then holds the
+    key, for 1 s). The token of the record now only in the lock object's ``ended``, and
+    the taker's lease."""
+    recording = Recording(backend.store(), fail_creates_under=backend.layout.history)
+    backend.objects.store = lambda: recording
+    taker = None
+    if ended_by == "release":
+        lease = backend.try_acquire(key, holder(), None)
+        assert lease is not None
+        assert backend.release(lease, Outcome.SUCCEEDED) is not None
+    else:
+        lease = backend.try_acquire(key, holder(), 1.0)
+        assert lease is not None
+        taker = eventually(lambda: backend.try_acquire(key, holder(), 1.0), "takeover")
+    recording.fail_creates_under = None
+    return lease.token, taker
+
+
+@pytest.mark.parametrize("replaced_by", ["release", "takeover"])
+@pytest.mark.parametrize("ended_by", ["release", "takeover"])
+def test_a_record_missing_from_history_is_copied_before_a_swap_replaces_it(
+    object_url: str,  # noqa: F811
+    ended_by: str,
+    replaced_by: str,
+) -> None:
+    # Found by the torture run: a killed holder's `expired` record, written into the lock
+    # object by its taker, was replaced by the next record before it reached history.
+    key = f"job:{ended_by}-{replaced_by}"
+    first, second = _view(object_url), _view(object_url)
+    token, lease = _unwritten(first, key, ended_by)
+    assert token not in [r.lease.token for r in second.history(key=key, limit=None)]
+    if lease is None:  # free: another process takes the key
+        lease = second.try_acquire(key, holder(), 1.0 if replaced_by == "takeover" else None)
+        assert lease is not None
+        owner = second
+    else:  # held by the taker
+        owner = first
+    if replaced_by == "release":
+        assert owner.release(lease, Outcome.FAILED) is not None
+    else:  # its holder dies; another process takes the key over after expiry
+        third = _view(object_url)
+        taker = eventually(lambda: third.try_acquire(key, holder(), None), "takeover")
+        assert third.release(taker, Outcome.SUCCEEDED) is not None
+    tokens = [r.lease.token for r in second.history(key=key, limit=None)]
+    assert token in tokens
+    assert lease.token in tokens
+
+
+def test_no_swap_replaces_a_record_it_could_not_copy_to_history(
+    object_url: str,  # noqa: F811
+) -> None:
+    first, second = _view(object_url), _view(object_url)
+    token, _ = _unwritten(first, "job:refused", "release")
+    lease = second.try_acquire("job:refused", holder(), None)
+    assert lease is not None
+    recording = Recording(second.store(), fail_creates_under=second.layout.history)
+    second.objects.store = lambda: recording
+    with pytest.raises(BackendError, match="injected"):
+        second.release(lease, Outcome.SUCCEEDED)
+    assert first.get("job:refused") == lease  # still held: nothing was replaced
+    recording.fail_creates_under = None
+    assert second.release(lease, Outcome.SUCCEEDED) is not None
+    tokens = [r.lease.token for r in first.history(key="job:refused", limit=None)]
+    assert sorted(tokens) == sorted([token, lease.token])
+
+
 def test_last_success_survives_garbage_collection_of_the_lock_object(
     object_url: str,  # noqa: F811
 ) -> None:

@@ -20,8 +20,11 @@ Writes
 Records
     The record of a lease that ends is written into the lock object by the same swap that
     frees it (``ended``), then copied to ``history/`` (create-if-absent, so twice is
-    harmless). A writer killed between the two leaves it in ``ended``, which the next
-    ``reap`` copies; ``successes`` in the lock object keeps ``once`` exact even then.
+    harmless). A writer killed (or refused) between the two leaves it in ``ended``, which
+    stays there until the next swap that writes a record of its own: that writer first
+    copies the one it replaces (one more request, unless this process wrote it) and makes
+    no swap if it cannot; ``reap`` copies the ``ended`` of free objects. ``successes`` in
+    the lock object keeps ``once`` exact meanwhile.
 
 Waiting
     ``wait`` reads, never writes: jittered pauses from 50 ms doubling to 1 s, bounded by the
@@ -195,6 +198,8 @@ class ObjectStoreBackend(LockBackend):
             expires_at = None if ttl is None else us(now.high + ttl)
             lease = Lease(key, new_token(), fence, holder, us(now.low), expires_at)
             ended = None if record is None else record.to_dict()
+            if ended is not None and previous is not None and previous.ended is not None:
+                records.keep(self, previous.ended)  # replaced below: in history first
             state, other = self.objects.write_state(name, previous, key, fence, lease, ended=ended)
             if state is not None:
                 if ended is not None:
@@ -240,6 +245,8 @@ class ObjectStoreBackend(LockBackend):
                 lease, self.objects.now(), outcome, problem=problem, details=details, result=result
             )
             data = record.to_dict()
+            if state.ended is not None:
+                records.keep(self, state.ended)  # replaced below: in history first
             written, found = self.objects.write_state(
                 name,
                 state,

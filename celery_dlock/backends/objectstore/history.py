@@ -22,7 +22,7 @@ from celery_dlock.records import Outcome, Record
 if TYPE_CHECKING:
     from celery_dlock.backends.objectstore import ObjectStoreBackend
 
-__all__ = ["add", "flush", "last_success", "prune", "query", "remember"]
+__all__ = ["add", "flush", "keep", "last_success", "prune", "query", "remember"]
 
 logger = logging.getLogger("celery_dlock")
 _MICRO = 1e6
@@ -31,7 +31,27 @@ _MICRO = 1e6
 def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool = True) -> None:
     """Write ``record`` (a ``Record.to_dict()``) to ``history/``, and to ``success/`` if it
     answers ``once``; create-if-absent, so writing twice is harmless. A failure is logged:
-    the record stays in its lock object (``ended``) until ``reap`` copies it."""
+    the record stays in its lock object (``ended``) until ``keep`` or ``reap`` copies it."""
+    try:
+        _write(backend, record, history=history)
+    except BackendError as exc:
+        extra = fields("history_delayed", key=record["lease"]["key"], backend=backend.url)
+        logger.warning("record of %s not yet in history: %s", extra["key"], exc, extra=extra)
+
+
+def keep(backend: ObjectStoreBackend, record: dict[str, Any]) -> None:
+    """Make sure ``record``, about to be replaced in its lock object's ``ended``, is in
+    ``history/`` first: its writer may have died, or failed to write it, after the swap
+    that put it there. One create-if-absent unless this process wrote it already.
+
+    Raises:
+        BackendError: it could not be written; the swap that would replace it must not be
+            made.
+    """
+    _write(backend, record, history=True)
+
+
+def _write(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool) -> None:
     local = backend.objects.local.get()
     token = str(record["lease"]["token"])
     if local.flushed(token):
@@ -40,13 +60,8 @@ def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool 
     if keeps_result(record):
         names.append(backend.layout.success_name(record))
     body = encode(record)
-    try:
-        for name in names:
-            backend.objects.create(name, body)
-    except BackendError as exc:
-        extra = fields("history_delayed", key=record["lease"]["key"], backend=backend.url)
-        logger.warning("record of %s not yet in history: %s", extra["key"], exc, extra=extra)
-        return
+    for name in names:
+        backend.objects.create(name, body)
     if history:
         local.mark_flushed(token)
 
