@@ -63,16 +63,19 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
     return done.returncode, json.loads(out.read_text()), output
 
 
-# Not s3 (SeaweedFS's short run takes about 16 s) nor, for now, gcs: a 265 s GCS run found
-# one killed holder's lease without a record (1 in 10,979 acquisitions; open, see
-# bench/torture/__init__.py), which a 13 s short run would hit now and then.
-@pytest.mark.parametrize("store", ["file", "postgres", "redis"])
+#: Fewest acquisitions of a short run that means something: 700-2,500 alone on this 2-core
+#: machine for the first three; the object stores take 3-5 ms a call (s3 192 and gcs over
+#: 150 beside another torture run).
+ENOUGH = {"file": 500, "postgres": 500, "redis": 500, "s3": 100, "gcs": 100}
+
+
+@pytest.mark.parametrize("store", ["file", "postgres", "redis", "s3", "gcs"])
 def test_short_run_keeps_every_invariant(store: str, tmp_path: Path) -> None:
     require(store)
     code, [report], output = torture(tmp_path, "--store", store, "--short")
     assert report["problems"] == [], output
     assert (report["violations"], code) == (0, 0), output
-    assert report["acquisitions"] >= 500, output  # 700-2,500 alone on this 2-core machine
+    assert report["acquisitions"] >= ENOUGH[store], output
     faults = (report["kills"], report["pauses"], report["restarts"])
     assert faults == (4, 1, 0 if store in ("file", "gcs", "s3") else 2), output
     assert report["killed_in_section"] >= 1, output
