@@ -91,7 +91,9 @@ def test_checker_reports_violations_of_a_broken_lock(tmp_path: Path) -> None:
     assert code == 1, output
     assert report["violations"] > 0
     assert report["overlaps"] > 0
-    assert any("accepted writes" in problem for problem in report["problems"]), output
+    # The ledger refuses a stale fence once a newer one has read, so a stolen key no longer
+    # loses an update; the overlaps and the grants out of fence order show the theft.
+    assert any("began" in p or "granted" in p for p in report["problems"]), output
 
 
 #: Keepalives of the cut-off Postgres holders: the server ends their sessions in seconds.

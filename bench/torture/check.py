@@ -5,7 +5,8 @@ from ``chaos.jsonl`` (``chaos.py``). A section's interval is from its lease's gr
 just before its release (``end``), or to the moment its worker was SIGKILLed. What must hold:
 
 1. No two sections on one key overlap in time, unless the later one's fence is higher and the
-   ledger refused the earlier one's write ("fenced"). One more exception ("serialized"): the
+   ledger refused the earlier one's write ("fenced"; the ledger refuses a fence lower than
+   one that has read, see ``ledger.py``). One more exception ("serialized"): the
    earlier holder lost its lease to a recorded fault (a pause past the ttl, a partition, or a
    store restart, between its write and its release) after its write was accepted, and the
    later one read that write. A partition's lease must be freed (``FREE_LIMIT``).

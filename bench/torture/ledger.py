@@ -1,10 +1,16 @@
 """The fenced ledger each critical section writes: a counter per key that refuses stale fences.
 
-A section reads the key's counter, works, and writes counter + 1 with its lease's fence; the
-ledger accepts the write only if its fence is above the last accepted one ("Paying safely" in
-the README), and journals every accepted write in the same atomic step. The counter is read
-and written in two steps on purpose: two holders in the section at once lose an update, which
-the checker sees as a counter below the number of accepted writes.
+A section reads the key's counter with its lease's fence, works, and writes counter + 1 with
+that fence. The read registers the fence first, in the same atomic step ("Paying safely" in
+the README: the fence check before the read); the write is accepted only if its fence is above
+the last accepted one and no higher fence has read since, and is journalled in the same
+atomic step. A holder that lost its lease (paused past its ttl, cut off) and wakes up to write
+after its successor read is refused even if the successor has not written yet: a fence
+checked at the write alone accepts it, and the two updates overwrite each other (the first
+million-acquisition file run lost one update so). The counter is read and written in two
+steps on purpose: two holders in the section at once that both get a write accepted lose an
+update, which the checker sees as a counter below the number of accepted writes. A read
+without a fence (the soak's) registers nothing.
 
 - ``postgresql://...#table``: the tables ``<table>`` and ``<table>_journal`` (a database that
   the store's restarts do not touch: the shared server, for a Postgres store).
@@ -42,16 +48,18 @@ class Ledger:
     def create(self, keys: Sequence[str]) -> None:
         raise NotImplementedError
 
-    def read(self, key: str) -> int:
-        """The key's counter now."""
+    def read(self, key: str, fence: int | None = None) -> int:
+        """The key's counter now; ``fence`` (registered first, atomically) refuses the writes
+        of lower fences from now on."""
         raise NotImplementedError
 
     def write(
         self, key: str, fence: int, counter: int, then: Callable[[Any], None] | None = None
     ) -> bool:
-        """Set the key's counter if ``fence`` is above the last accepted one; True if
-        accepted (and journalled). ``then(cursor)``, if given, runs in the same transaction
-        once accepted (Postgres only: the soak's ``record_success``)."""
+        """Set the key's counter if ``fence`` is above the last accepted one and no higher
+        fence has read; True if accepted (and journalled). ``then(cursor)``, if given, runs
+        in the same transaction once accepted (Postgres only: the soak's
+        ``record_success``)."""
         raise NotImplementedError
 
     def state(self) -> dict[str, tuple[int, int]]:
@@ -104,7 +112,7 @@ class PostgresLedger(Ledger):
         # (table) | the ledger and its journal of accepted writes, a counter of 0 per key
         self._execute(
             "CREATE TABLE {t} (key text PRIMARY KEY, counter bigint NOT NULL,"
-            " last_fence bigint NOT NULL)",
+            " last_fence bigint NOT NULL, read_fence bigint NOT NULL DEFAULT 0)",
             patience=PATIENCE,
         )
         self._execute(
@@ -118,9 +126,17 @@ class PostgresLedger(Ledger):
             "INSERT INTO {t} SELECT unnest(%s::text[]), 0, 0", (list(keys),), patience=PATIENCE
         )
 
-    def read(self, key: str) -> int:
-        # key | the counter
-        row = self._execute("SELECT counter FROM {t} WHERE key = %s", (key,)).fetchone()
+    def read(self, key: str, fence: int | None = None) -> int:
+        if fence is None:
+            # key | the counter
+            row = self._execute("SELECT counter FROM {t} WHERE key = %s", (key,)).fetchone()
+            return int(row[0])
+        # key, fence | the counter, read after the fence is registered (one statement)
+        row = self._execute(
+            "UPDATE {t} SET read_fence = greatest(read_fence, %(fence)s) WHERE key = %(key)s"
+            " RETURNING counter",
+            {"key": key, "fence": fence},
+        ).fetchone()
         return int(row[0])
 
     def write(
@@ -129,7 +145,8 @@ class PostgresLedger(Ledger):
         # key, fence, counter | one journal row if accepted (fence above the last), else none
         sql = (
             "WITH changed AS (UPDATE {t} SET counter = %(counter)s, last_fence = %(fence)s"
-            " WHERE key = %(key)s AND last_fence < %(fence)s RETURNING key)"
+            " WHERE key = %(key)s AND last_fence < %(fence)s AND read_fence <= %(fence)s"
+            " RETURNING key)"
             " INSERT INTO {t}_journal (key, fence, counter)"
             " SELECT key, %(fence)s, %(counter)s FROM changed RETURNING id"
         )
@@ -226,10 +243,25 @@ class FileLedger(Ledger):
         size = os.fstat(fd).st_size
         return _parse(os.pread(fd, _LINE, size - _LINE))
 
-    def read(self, key: str) -> int:
-        fd = self._fd(key)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+    def _read_path(self, key: str) -> Path:
+        return self._path(key).with_name(f"{self._path(key).name}.read")
+
+    def _read_fence(self, key: str) -> int:
+        """The highest fence that has read ``key`` (its file ``<name>.read``; 0 if none)."""
         try:
+            return int(self._read_path(key).read_bytes() or b"0")
+        except FileNotFoundError:
+            return 0
+
+    def read(self, key: str, fence: int | None = None) -> int:
+        fd = self._fd(key)
+        fcntl.flock(fd, fcntl.LOCK_SH if fence is None else fcntl.LOCK_EX)
+        try:
+            if fence is not None and fence > self._read_fence(key):
+                # Whole or not at all: a SIGKILL between the two leaves the old file.
+                temporary = self._read_path(key).with_name(f"{self._path(key).name}.{os.getpid()}")
+                temporary.write_bytes(str(fence).encode())
+                os.replace(temporary, self._read_path(key))
             return self._last(fd)[1]
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -242,7 +274,7 @@ class FileLedger(Ledger):
         fd = self._fd(key)
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            if self._last(fd)[0] >= fence:
+            if self._last(fd)[0] >= fence or self._read_fence(key) > fence:
                 return False
             os.write(fd, _line(fence, counter))
             return True

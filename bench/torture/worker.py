@@ -119,7 +119,7 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) 
     counter: int | None = None
     accepted: bool | None = None
     try:
-        counter = ledger.read(key)
+        counter = ledger.read(key, lease.fence)
         time.sleep(random.uniform(0, job.hold))
         accepted = ledger.write(key, lease.fence, counter + 1)
     except LedgerError:  # then the journal alone says whether the write landed
