@@ -16,7 +16,8 @@ without a fence (the soak's) registers nothing.
   the store's restarts do not touch: the shared server, for a Postgres store).
 - ``file:///dir``: one file per key of fixed-width lines ``fence counter``; the last line is the
   state, every line after the first an accepted write, appended under ``flock`` by one
-  ``write`` (a SIGKILL leaves the line whole or absent).
+  ``write`` (a SIGKILL leaves the line whole or absent); beside it ``<file>.read``, the
+  highest fence that has read the key.
 """
 
 from __future__ import annotations
@@ -208,6 +209,7 @@ class PostgresLedger(Ledger):
 
 
 _LINE = 42  # "%020d %020d\n"
+_FENCE = 20  # "%020d"
 
 
 def _line(fence: int, counter: int) -> bytes:
@@ -223,6 +225,7 @@ class FileLedger(Ledger):
     def __init__(self, directory: str) -> None:
         self.directory = Path(directory)
         self._files: dict[str, int] = {}
+        self._read_files: dict[str, int] = {}
 
     def _path(self, key: str) -> Path:
         return self.directory / hashlib.sha256(key.encode()).hexdigest()[:32]
@@ -243,25 +246,25 @@ class FileLedger(Ledger):
         size = os.fstat(fd).st_size
         return _parse(os.pread(fd, _LINE, size - _LINE))
 
-    def _read_path(self, key: str) -> Path:
-        return self._path(key).with_name(f"{self._path(key).name}.read")
+    def _read_fd(self, key: str) -> int:
+        """The key's file ``<name>.read``: the highest fence that has read it, 20 digits
+        written in place by one ``pwrite`` (a SIGKILL leaves it whole or as it was)."""
+        fd = self._read_files.get(key)
+        if fd is None:
+            path = self._path(key).with_name(f"{self._path(key).name}.read")
+            fd = self._read_files[key] = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
 
     def _read_fence(self, key: str) -> int:
-        """The highest fence that has read ``key`` (its file ``<name>.read``; 0 if none)."""
-        try:
-            return int(self._read_path(key).read_bytes() or b"0")
-        except FileNotFoundError:
-            return 0
+        """The highest fence that has read ``key`` (0 if none has)."""
+        return int(os.pread(self._read_fd(key), _FENCE, 0) or b"0")
 
     def read(self, key: str, fence: int | None = None) -> int:
         fd = self._fd(key)
         fcntl.flock(fd, fcntl.LOCK_SH if fence is None else fcntl.LOCK_EX)
         try:
             if fence is not None and fence > self._read_fence(key):
-                # Whole or not at all: a SIGKILL between the two leaves the old file.
-                temporary = self._read_path(key).with_name(f"{self._path(key).name}.{os.getpid()}")
-                temporary.write_bytes(str(fence).encode())
-                os.replace(temporary, self._read_path(key))
+                os.pwrite(self._read_fd(key), b"%020d" % fence, 0)
             return self._last(fd)[1]
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -296,9 +299,10 @@ class FileLedger(Ledger):
         return {key: self._lines(key)[1:] for key in self._keys()}
 
     def close(self) -> None:
-        for fd in self._files.values():
+        for fd in [*self._files.values(), *self._read_files.values()]:
             os.close(fd)
         self._files.clear()
+        self._read_files.clear()
 
 
 def open_ledger(spec: str) -> Ledger:
