@@ -252,22 +252,24 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The worker's tracer pushed the real request before calling us; a direct call
         # did not, and gets the same minimal request Task.__call__ would give it.
-        direct = self.request.called_directly
+        request = self.request
+        direct = request.called_directly
         if direct:
             _task_stack.push(self)
             self.push_request(args=args, kwargs=kwargs)
+            request = self.request
         try:
-            mark = None if self.dedupe is None else dedupe.mark_of(self.request)
+            mark = None if self.dedupe is None else dedupe.mark_of(request)
             if mark is None:
-                return self._run_locked(args, kwargs)
-            return dedupe.run_marked(self, mark, functools.partial(self._run_locked, args, kwargs))
+                return self._run_locked(request, args, kwargs)
+            run = functools.partial(self._run_locked, request, args, kwargs)
+            return dedupe.run_marked(self, mark, run)
         finally:
             if direct:
                 self.pop_request()
                 _task_stack.pop()
 
-    def _run_locked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        request = self.request
+    def _run_locked(self, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         current = settings(self.app)
         warn_if_default_store(current)
         if current.metrics and not metrics.enabled():
