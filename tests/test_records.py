@@ -107,6 +107,25 @@ def test_lease_and_record_round_trip_through_dicts() -> None:
     assert str(Outcome.DISCONNECTED) == "disconnected"
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"worker": None, "task_id": None, "task_name": None},
+        {"worker": 'w\u00f6rker "one"\n\\', "task_name": "\ud800 lone surrogate"},
+        {"host": "h\u00f4te", "started": None, "host_id": "portable:boot-1"},
+        {"started": 1234.5678901234567, "pid": 2**22},
+        {"metadata": {"tenant": "acme", "n": [1, 2.5, None], "\u00e9": {"x": True}}},
+    ],
+    ids=["task", "no task", "escapes", "portable", "floats", "metadata"],
+)
+def test_holder_json_is_the_text_json_dumps_gives(change: dict[str, object]) -> None:
+    base = Holder.current(worker="w1@host", task_id="4f7c6a2e-1", task_name="payments.charge")
+    holder = dataclasses.replace(base, **change)  # type: ignore[arg-type]
+    assert holder.to_json() == json.dumps(holder.to_dict(), separators=(",", ":"))
+    assert Holder.from_dict(json.loads(holder.to_json())) == holder
+
+
 def test_a_zombie_holder_is_gone() -> None:
     # A child that exited but is not yet collected by its parent (us) is a zombie.
     child = subprocess.Popen(

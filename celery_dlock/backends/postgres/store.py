@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -402,6 +401,6 @@ class PostgresStore(LockBackend):
         cached = self._holder_cache
         if cached is not None and cached[0] is holder:
             return cached[1]
-        text = json.dumps(holder.to_dict(), separators=(",", ":"))
+        text = holder.to_json()
         self._holder_cache = (holder, text)
         return text

@@ -35,7 +35,7 @@ def encode_json(value: Any) -> str:
 
 
 def holder_json(holder: Holder) -> str:
-    return _encode(holder.to_dict())
+    return holder.to_json()
 
 
 def seconds(value: bytes) -> float:
