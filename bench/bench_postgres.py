@@ -16,9 +16,12 @@ Uncontended, interleaved round by round (``benchlib``), pairs/s and p50/p99 of o
 
 Server CPU (``--server-pairs``, or alone with ``--only-server-cpu``): the Postgres backend's
 CPU per pair, and the WAL writer's, from ``/proc/<pid>/stat`` (the server on this host),
-against the raw advisory pair and against the floor of any lease with a visible row: a row
-inserted and deleted in an unlogged table, in two transactions (two xids, two commit
-records, asynchronous commit as the lock session's).
+against the raw advisory pair, the floor of any lease with a visible row (a row inserted and
+deleted in an unlogged table, in two transactions: two xids, two commit records, asynchronous
+commit as the lock session's), and the floor of such a lease with a history: the same row,
+its delete writing a record into a copy of the history table (``RecordFloor``). What
+celery_dlock pays beyond the last is its fence and liveness (``nextval``, the grant's and the
+lease's advisory locks, the waiters' check).
 
 Contended, ``--processes`` processes on one key, interleaved round by round: each process
 takes the lock (waiting without limit), runs a read-modify-write of a shared counter file,
@@ -65,6 +68,9 @@ RAW_KEY = 4242
 SERVER_TARGET_US = 50.0
 #: The server-CPU floor of a lease with a row: two transactions that write.
 ROWS_FLOOR = "a row inserted + deleted"
+#: What a lease with a history costs at least: the row floor, its delete writing a record
+#: into a copy of the history table (same columns, keys and indexes) in the same statement.
+RECORD_FLOOR = "a row inserted + deleted into a history record"
 
 
 def uncontended(url: str, schema: str, rounds: int, seconds: float) -> None:
@@ -176,13 +182,15 @@ def server_cpu(url: str, schema: str, rounds: int, pairs: int) -> None:
 
     backend = PostgresBackend.from_url(f"{url}?schema={schema}")
     ours = our_variants(backend, key="job:server-cpu")["celery_dlock"]
-    ours()  # opens the lock session
+    ours()  # opens the lock session, and migrates: the history table is there
+    records = RecordFloor(url, schema)
     pids = {
         FLOOR: int(raw_conn.info.backend_pid),
         ROWS_FLOOR: int(rows_conn.info.backend_pid),
+        RECORD_FLOOR: records.pid,
         "celery_dlock": int(backend.session_info()["backend_pid"]),
     }
-    calls = {FLOOR: raw, ROWS_FLOOR: rows, "celery_dlock": ours}
+    calls = {FLOOR: raw, ROWS_FLOOR: rows, RECORD_FLOOR: records, "celery_dlock": ours}
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
@@ -199,7 +207,49 @@ def server_cpu(url: str, schema: str, rounds: int, pairs: int) -> None:
     backend.close()
     raw_conn.close()
     rows_conn.close()
+    records.close()
     admin.close()
+
+
+class RecordFloor:
+    """``RECORD_FLOOR``: a lease row (holder JSON and times, as ours) inserted, then deleted
+    by a statement that writes its record into ``bench_history``, a ``LIKE ... INCLUDING
+    ALL`` copy of the store's history table; two autocommit statements, asynchronous
+    commit. No fence, no advisory lock: what a lease with a history costs without them."""
+
+    def __init__(self, url: str, schema: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.execute("SET synchronous_commit = off")
+        self.pid = int(self.conn.info.backend_pid)
+        self.rows, history = f'"{schema}".bench_leases', f'"{schema}".bench_history'
+        self.conn.execute(
+            f'CREATE UNLOGGED TABLE {self.rows} (LIKE "{schema}".locks INCLUDING ALL)'
+        )
+        self.conn.execute(f'CREATE TABLE {history} (LIKE "{schema}".history INCLUDING ALL)')
+        self.insert = (
+            f"INSERT INTO {self.rows} (key, token, fence, holder, acquired_at, expires_at, "
+            "backend_pid) VALUES (%(key)s, %(token)s, 1, %(holder)s::json, clock_timestamp(), "
+            "NULL, pg_backend_pid())"
+        )
+        self.delete = (
+            f"WITH gone AS (DELETE FROM {self.rows} WHERE key = %(key)s AND token = %(token)s "
+            "RETURNING *)\n"
+            f"INSERT INTO {history} (key, token, fence, holder, acquired_at, expires_at, "
+            "released_at, outcome) SELECT key, token, fence, holder, acquired_at, expires_at, "
+            "now(), 'succeeded' FROM gone RETURNING released_at"
+        )
+        self.holder = Holder.current().to_json()
+        self.cursor = self.conn.cursor()
+        self.tokens = itertools.count()
+
+    def __call__(self) -> None:
+        params = {"key": "job:records", "token": str(next(self.tokens)), "holder": self.holder}
+        self.cursor.execute(self.insert, params, prepare=True)
+        self.cursor.execute(self.delete, params, prepare=True)
+        self.cursor.fetchone()
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def _print_server_cpu(
@@ -218,8 +268,10 @@ def _print_server_cpu(
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
     total = statistics.median(v[0] + v[1] for v in samples["celery_dlock"])
-    floor = statistics.median(v[0] + v[1] for v in samples[ROWS_FLOOR])
-    print(f"\ncelery_dlock / {ROWS_FLOOR} = {total / floor:.2f}x server CPU")
+    for name in (ROWS_FLOOR, RECORD_FLOOR):
+        floor = statistics.median(v[0] + v[1] for v in samples[name])
+        print(f"\ncelery_dlock / {name} = {total / floor:.2f}x server CPU", end="")
+    print()
     verdict = "meets" if total <= SERVER_TARGET_US else "MISSES"
     print(
         f"\ncelery_dlock server CPU = {total:.1f} µs per acquire+release "
