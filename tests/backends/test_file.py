@@ -257,6 +257,37 @@ def test_a_record_glued_to_a_torn_line_by_another_process_is_still_read(tmp_path
     backend.close()
 
 
+@pytest.mark.parametrize("key", ["job:plain", "job:ü€😀", 'job:"quoted"\\back'])
+def test_history_by_key_and_outcome_finds_exactly_its_records_however_encoded(
+    backend: FileBackend, tmp_path: Path, key: str
+) -> None:
+    """``history(key=, outcome=)`` searches each line for the key before parsing it: a
+    line written ASCII-escaped (``json.dumps``'s default) is found as well as the UTF-8
+    ones this store writes, and a record that only mentions the key is not returned."""
+    mine, others = [], []
+    for n in range(6):
+        lease = backend.try_acquire(key if n % 2 == 0 else "job:other", Holder.current(), None)
+        assert lease is not None
+        outcome = Outcome.FAILED if n % 3 == 0 else Outcome.SUCCEEDED
+        record = backend.release(lease, outcome, "ValueError", f"about {key}")
+        assert record is not None
+        (mine if n % 2 == 0 else others).append(record)
+    [segment] = list((tmp_path / "locks" / "history").iterdir())
+    escaped = Record(mine[0].lease, mine[0].released_at + 1, Outcome.FAILED, "escaped", None)
+    with segment.open("ab") as f:
+        f.write(json.dumps(escaped.to_dict()).encode() + b"\n")
+    mine.append(escaped)
+
+    def tokens(records: list[Record]) -> set[str]:
+        return {r.lease.token + r.outcome.value + str(r.problem) for r in records}
+
+    assert tokens(backend.history(key=key, limit=None)) == tokens(mine)
+    failed = [r for r in mine if r.outcome is Outcome.FAILED]
+    assert tokens(backend.history(key=key, outcome=Outcome.FAILED, limit=None)) == tokens(failed)
+    assert tokens(backend.history(key="job:other", limit=None)) == tokens(others)
+    assert len(backend.history(limit=None)) == 7
+
+
 # -- where there is no /proc, and where there is no flock -------------------------------------
 
 

@@ -318,10 +318,15 @@ class FileBackend(LockBackend):
     ) -> list[Record]:
         first_day = None if since is None else time.strftime("%Y-%m-%d", time.gmtime(since))
         found: list[Record] = []
+        wanted = tuple(
+            history.needles(value)
+            for value in (key, None if outcome is None else Outcome(outcome).value)
+            if value is not None
+        )
         for segment in history.segments(self._history_dir):
             if first_day is not None and segment[:10] < first_day:
                 break
-            for record in reversed(history.read_segment(self._history_dir, segment)):
+            for record in reversed(history.read_segment(self._history_dir, segment, wanted)):
                 if since is not None and record.released_at < since:
                     continue
                 if key is not None and record.key != key:

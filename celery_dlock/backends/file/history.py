@@ -94,8 +94,12 @@ def segments(directory: str) -> list[str]:
     return sorted(names, reverse=True)
 
 
-def read_segment(directory: str, segment: str) -> list[Record]:
-    """The records of one segment, oldest first."""
+def read_segment(
+    directory: str, segment: str, wanted: tuple[tuple[bytes, ...], ...] = ()
+) -> list[Record]:
+    """The records of one segment, oldest first. With ``wanted``, only the lines that
+    contain one of each group's byte strings (``needles``) are parsed: the others cannot
+    be the records asked for, and a line costs some 15 µs to parse, 0.2 µs to search."""
     try:
         with open(os.path.join(directory, segment), "rb") as f:
             data = f.read()
@@ -103,6 +107,8 @@ def read_segment(directory: str, segment: str) -> list[Record]:
         return []
     records = []
     for line in data.split(b"\n"):
+        if wanted and not all(any(n in line for n in group) for group in wanted):
+            continue
         # The last line may be a record whose append is still under way, and a line may
         # start with what is left of an append a full disk cut short (another process may
         # have glued its record to it): each line's last record start is tried too.
@@ -111,6 +117,13 @@ def read_segment(directory: str, segment: str) -> list[Record]:
                 records.append(Record.from_dict(json.loads(line[max(start, 0) :])))
                 break
     return records
+
+
+def needles(value: str) -> tuple[bytes, ...]:
+    """What a record line holding the JSON string ``value`` contains, whichever way it was
+    encoded: as this module writes it (UTF-8) and ASCII-escaped (``json.dumps``)."""
+    forms = dict.fromkeys((encode(value), json.dumps(value)))
+    return tuple(form.encode("utf-8", "surrogatepass") for form in forms)
 
 
 def prune(directory: str, before: float) -> int:
