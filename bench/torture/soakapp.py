@@ -109,7 +109,7 @@ def charge(self: Any, order_id: int) -> int:
     read: int | None = None
     accepted: bool | str | None = None
     try:
-        read = ledger().read(lease.key)
+        read = ledger().read(lease.key, lease.fence)  # the fence registered first
         time.sleep(random.uniform(0, HOLD))
         keep = None if BROKEN else lambda cursor: self.record_success(cursor, 1)
         accepted = ledger().write(lease.key, lease.fence, read + 1, then=keep)
