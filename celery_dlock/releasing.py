@@ -8,6 +8,7 @@ success wins). A success whose store fails is tried again with backoff for a bou
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -143,12 +144,14 @@ class Unsettled:
     process's next release that reaches the same store: a lease still there is released
     with its own outcome; one the store lost meanwhile (a Postgres crash empties the locks
     table) is recorded ``lost``, unless someone recorded it already (the janitor, a taker).
+    Those still waiting when the process ends are tried once more then (``settle_all``).
     Bounded; a forked child starts with none (they are its parent's)."""
 
     def __init__(self) -> None:
         self.items: list[tuple[LockBackend, Ending]] = []
         self._mutex = threading.Lock()
         self._settling = False
+        self._at_exit = False
 
     def add(self, backend: LockBackend, ending: Ending) -> None:
         with self._mutex:
@@ -163,6 +166,25 @@ class Unsettled:
                     extra=fields("release_dropped", dropped.lease),
                 )
             self.items.append((backend, ending))
+            if not self._at_exit:
+                # Registered now, after the process's own exit handler (which closes the
+                # stores), so that it runs before it.
+                atexit.register(self.settle_all)
+                self._at_exit = True
+
+    def settle_all(self) -> None:
+        """Try each waiting release once more (as the process ends: at exit, and at a Celery
+        worker child's shutdown, which skips exit handlers); log those that still fail."""
+        for backend in dict.fromkeys(owner for owner, _ in list(self.items)):
+            self.settle(backend)
+        for _, ending in list(self.items):
+            logger.error(
+                "the release of %s (fence %d) never reached its store before this process "
+                "ended: the janitor records its lease when it expires or its holder is gone",
+                ending.lease.key,
+                ending.lease.fence,
+                extra=fields("release_unsettled", ending.lease),
+            )
 
     def settle(self, backend: LockBackend) -> None:
         """Try again the releases waiting for ``backend`` (which just answered)."""

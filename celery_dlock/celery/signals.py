@@ -33,6 +33,7 @@ from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.process import release_all
 from celery_dlock.records import Outcome, Record
+from celery_dlock.releasing import unsettled
 
 __all__ = ["connect", "release_dead_attempt"]
 
@@ -217,3 +218,4 @@ def _shutting_down(**_: Any) -> None:
     """Warm shutdown: release what this process still holds (leases kept for a retry, or
     a task cut short), each by its own token."""
     release_all(Outcome.REVOKED, "WorkerShutdown", "worker shutdown", kept=Outcome.RETRIED)
+    unsettled.settle_all()  # a prefork child ends with os._exit: no exit handlers

@@ -283,6 +283,47 @@ def test_a_release_refused_while_redis_was_unreachable_lands_at_the_next_release
     backend.close()
 
 
+_REFUSED_THEN_EXIT = """
+import sys
+from celery_dlock import BackendError, Lock, Outcome, backend_from_url
+lock = Lock(backend_from_url(sys.argv[1]), "job:exit-outage", ttl=60, renew=False)
+lease = lock.acquire()
+print(lease.token, flush=True)
+sys.stdin.readline()  # the store is unreachable now
+try:
+    lock.release(Outcome.FAILED, "Boom", "the sync failed")
+except BackendError:
+    print("refused", flush=True)
+sys.stdin.readline()  # the store is back: end normally, with no further release
+"""
+
+
+def test_a_release_refused_until_the_process_ends_lands_as_it_exits(
+    proxy: CountingProxy, prefix: str
+) -> None:
+    url = store_url(prefix, via(proxy), retries=0)
+    command = [sys.executable, "-c", _REFUSED_THEN_EXIT, url]
+    with subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        token = child.stdout.readline().strip()
+        proxy.refuse()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "refused"
+        proxy.accept()
+        child.stdin.write("exit\n")
+        child.stdin.flush()
+        assert child.wait(timeout=30) == 0
+    backend = open_backend(prefix)
+    assert backend.get("job:exit-outage") is None  # released at exit, not left to its ttl
+    [record] = backend.history(key="job:exit-outage")
+    assert record.lease.token == token
+    assert (record.outcome, record.problem) == (Outcome.FAILED, "Boom")  # its own outcome
+    backend.close()
+
+
 def test_an_async_release_refused_while_redis_was_unreachable_lands_at_the_next_one(
     proxy: CountingProxy, prefix: str
 ) -> None:
