@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from billiard.exceptions import WorkerLostError
@@ -26,16 +27,20 @@ from celery_dlock import (
     LockedTask,
     LockLostError,
     Outcome,
+    backend_from_url,
     install,
 )
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.celery.signals import _task_failed, _task_revoked
 from celery_dlock.records import Lease
+from tests.backends.stores.redis import URL as REDIS_STORE
+from tests.backends.stores.redis import delete_prefix, store_url
 from tests.celery import embedded_tasks as tasks
-from tests.celery.prefork import Worker
+from tests.celery.prefork import Worker, running
 from tests.celery.support import new_run, outcomes
 from tests.support import eventually, force_release
+from tests.support.countingproxy import CountingProxy
 from tests.support.services import lease_session_pids, postgres_admin
 
 
@@ -62,6 +67,35 @@ def test_a_sigkilled_child_is_released_and_recorded_disconnected(worker: Worker)
     with pytest.raises(Exception, match=r"WorkerLostError|Worker exited"):
         result.get(timeout=30)
     print(f"\nkill → disconnected record: {record.released_at - killed_at:.3f} s")
+
+
+@pytest.mark.slow
+def test_a_release_the_store_refused_lands_at_the_worker_childs_shutdown(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A child's release that Redis refused, with no later release in that child to settle
+    it: the worker's warm shutdown does (a prefork child skips exit handlers)."""
+    server = urlsplit(REDIS_STORE)
+    prefix = f"shutdown-{uuid.uuid4().hex[:8]}"
+    order = uuid.uuid4().hex[:8]
+    key = f"job:hold:{order}"
+    with CountingProxy(server.hostname or "127.0.0.1", server.port or 6379) as proxy:
+        through = f"redis://127.0.0.1:{proxy.port}{server.path}"
+        with running(tmp_path, redis_url, store_url(prefix, through, retries=0)) as worker:
+            worker.tasks.hold.delay(order, 1.0)
+            body = started_body(worker, key)
+            proxy.refuse()  # the body ends while Redis cannot be reached
+            eventually(lambda: "could not release" in worker.log.read_text(), "refused")
+            proxy.accept()
+            assert worker.store.get(key) is not None  # nothing released it yet
+        store = backend_from_url(store_url(prefix, REDIS_STORE))
+        try:
+            assert store.get(key) is None
+            [record] = store.history(key=key)
+            assert (record.lease.token, record.outcome) == (body["token"], Outcome.SUCCEEDED)
+        finally:
+            store.close()
+            delete_prefix(REDIS_STORE, prefix)
 
 
 @pytest.mark.slow
