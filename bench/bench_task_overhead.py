@@ -3,6 +3,8 @@ memory store, against the same plain task, with the store's own calls timed apar
 
     python bench/bench_task_overhead.py [--tasks 20000] [--rounds 5]
     python -m cProfile -s tottime bench/bench_task_overhead.py --rounds 1 --only locked
+    py-spy record -r 2000 -f raw -o profile.txt -- python bench/bench_task_overhead.py \
+        --rounds 2 --only locked --tasks 50000     # sampled (pip install py-spy)
 
 Celery's ``build_tracer`` runs each task as a worker child would (request context, signals,
 result handling with ``ignore_result``), with no broker and no other process, so the CPU per
