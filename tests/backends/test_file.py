@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -286,6 +287,49 @@ def test_history_by_key_and_outcome_finds_exactly_its_records_however_encoded(
     assert tokens(backend.history(key=key, outcome=Outcome.FAILED, limit=None)) == tokens(failed)
     assert tokens(backend.history(key="job:other", limit=None)) == tokens(others)
     assert len(backend.history(limit=None)) == 7
+
+
+def test_history_reads_only_what_a_query_needs_and_answers_as_a_full_read_would(
+    backend: FileBackend, clock: FakeClock
+) -> None:
+    """``history`` parses a day's lines by a bound on their release time; the answers are
+    those of sorting every record (newest first, the later written first among equal
+    times): with the clock stepped back and forth, times repeated, and metadata and
+    results that hold a ``released_at`` of their own, above and below the record's."""
+    written: list[Record] = []
+    steps = [0.0, 5.0, -3.0, 0.0, 0.0, 2.0, -10.0, 7.0, 0.0, -1.0, 4.0, 0.0]
+    for n, step in enumerate(steps * 3):
+        clock.advance(step)
+        metadata = {"released_at": clock() + (1000 if n % 4 == 0 else -1000)}
+        holder = dataclasses.replace(Holder.current(), metadata=metadata)
+        key = f"job:mixed:{n % 3}"
+        lease = backend.try_acquire(key, holder, None)
+        assert lease is not None
+        outcome = Outcome.FAILED if n % 5 == 0 else Outcome.SUCCEEDED
+        result = {"released_at": 1e12} if n % 7 == 0 else None
+        record = backend.release(lease, outcome, result=result)
+        assert record is not None
+        written.append(record)
+    order = {id(record): n for n, record in enumerate(written)}
+
+    def expected(**query: Any) -> list[str]:
+        since, key, outcome = query.get("since"), query.get("key"), query.get("outcome")
+        chosen = [
+            r
+            for r in written
+            if (since is None or r.released_at >= since)
+            and (key is None or r.key == key)
+            and (outcome is None or r.outcome == outcome)
+        ]
+        chosen.sort(key=lambda r: (r.released_at, order[id(r)]), reverse=True)
+        limit = query.get("limit", 100)
+        return [r.lease.token for r in chosen[:limit]]
+
+    middle = sorted(r.released_at for r in written)[len(written) // 2]
+    for limit in (1, 2, 3, 5, 8, 13, 35, 36, 100, None):
+        for query in ({}, {"key": "job:mixed:1"}, {"outcome": Outcome.FAILED}, {"since": middle}):
+            found = [r.lease.token for r in backend.history(limit=limit, **query)]  # type: ignore[arg-type]
+            assert found == expected(limit=limit, **query), (limit, query)
 
 
 # -- where there is no /proc, and where there is no flock -------------------------------------

@@ -323,17 +323,22 @@ class FileBackend(LockBackend):
             for value in (key, None if outcome is None else Outcome(outcome).value)
             if value is not None
         )
+
+        def keep(record: Record) -> bool:
+            return (
+                (since is None or record.released_at >= since)
+                and (key is None or record.key == key)
+                and (outcome is None or record.outcome == outcome)
+            )
+
         for segment in history.segments(self._history_dir):
             if first_day is not None and segment[:10] < first_day:
                 break
-            for record in reversed(history.read_segment(self._history_dir, segment, wanted)):
-                if since is not None and record.released_at < since:
-                    continue
-                if key is not None and record.key != key:
-                    continue
-                if outcome is not None and record.outcome != outcome:
-                    continue
-                found.append(record)
+            # A segment holds the records released on its day: all newer than the next one's.
+            left = None if limit is None else limit - len(found)
+            found += history.newest(
+                self._history_dir, segment, left, keep, wanted=wanted, since=since
+            )
             if limit is not None and len(found) >= limit:
                 break
         found.sort(key=lambda record: record.released_at, reverse=True)

@@ -6,10 +6,14 @@ from __future__ import annotations
 import calendar
 import contextlib
 import errno
+import heapq
 import json
+import math
 import os
+import re
 import threading
 import time
+from collections.abc import Callable
 
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError
@@ -94,29 +98,79 @@ def segments(directory: str) -> list[str]:
     return sorted(names, reverse=True)
 
 
-def read_segment(
-    directory: str, segment: str, wanted: tuple[tuple[bytes, ...], ...] = ()
+#: ``"released_at": number`` anywhere on a line: the record's own release time, and any
+#: that a holder's metadata or a result may hold (``_bound``).
+_RELEASED_AT = re.compile(rb'"released_at"\s*:\s*(-?[0-9][0-9.eE+-]*)')
+
+
+def newest(
+    directory: str,
+    segment: str,
+    count: int | None,
+    keep: Callable[[Record], bool],
+    *,
+    wanted: tuple[tuple[bytes, ...], ...] = (),
+    since: float | None = None,
 ) -> list[Record]:
-    """The records of one segment, oldest first. With ``wanted``, only the lines that
-    contain one of each group's byte strings (``needles``) are parsed: the others cannot
-    be the records asked for, and a line costs some 15 µs to parse, 0.2 µs to search."""
+    """The ``count`` newest records of one segment that ``keep`` accepts (all of them with
+    None), newest first, the later written first among equal times.
+
+    A line costs some 15 µs to parse and 1 µs to search, so only the lines that may hold
+    such a record are parsed: those that contain one byte string of each group of
+    ``wanted`` (``needles``), whose bound (``_bound``: at least the release time of their
+    record) is at or after ``since``, taken by bound, newest first, until ``count`` records
+    are found and the next bound is below the oldest of them."""
     try:
         with open(os.path.join(directory, segment), "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return []
-    records = []
-    for line in data.split(b"\n"):
+    lines = []
+    for position, line in enumerate(data.split(b"\n")):
         if wanted and not all(any(n in line for n in group) for group in wanted):
             continue
-        # The last line may be a record whose append is still under way, and a line may
-        # start with what is left of an append a full disk cut short (another process may
-        # have glued its record to it): each line's last record start is tried too.
-        for start in dict.fromkeys((0, line.rfind(_RECORD_START))):
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                records.append(Record.from_dict(json.loads(line[max(start, 0) :])))
-                break
-    return records
+        bound = _bound(line)
+        if bound > -math.inf and (since is None or bound >= since):
+            lines.append((bound, position, line))
+    lines.sort(key=lambda item: item[:2], reverse=True)
+    times: list[float] = []  # the newest ``count`` release times found: a min-heap
+    found = []
+    for bound, position, line in lines:
+        if count is not None and len(times) >= count and bound < times[0]:
+            break
+        record = _parse(line)
+        if record is None or not keep(record):
+            continue
+        found.append((record.released_at, position, record))
+        if count is not None and len(times) < count:
+            heapq.heappush(times, record.released_at)
+        elif count is not None and record.released_at > times[0]:
+            heapq.heapreplace(times, record.released_at)
+    found.sort(key=lambda item: item[:2], reverse=True)
+    return [record for _, _, record in found[:count]]
+
+
+def _bound(line: bytes) -> float:
+    """At least the release time of the record on ``line``: the largest ``released_at``
+    number on it (+inf if one is no number, -inf if there is none: no record)."""
+    bound = -math.inf
+    for number in _RELEASED_AT.findall(line):
+        try:
+            bound = max(bound, float(number))
+        except ValueError:
+            return math.inf
+    return bound
+
+
+def _parse(line: bytes) -> Record | None:
+    """The record on ``line``, or None. The last line may be a record whose append is still
+    under way, and a line may start with what is left of an append a full disk cut short
+    (another process may have glued its record to it): each line's last record start is
+    tried too."""
+    for start in dict.fromkeys((0, line.rfind(_RECORD_START))):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return Record.from_dict(json.loads(line[max(start, 0) :]))
+    return None
 
 
 def needles(value: str) -> tuple[bytes, ...]:
