@@ -3,8 +3,11 @@ memory store, against the same plain task, with the store's own calls timed apar
 
     python bench/bench_task_overhead.py [--tasks 20000] [--rounds 5]
     python -m cProfile -s tottime bench/bench_task_overhead.py --rounds 1 --only locked
-    py-spy record -r 2000 -f raw -o profile.txt -- python bench/bench_task_overhead.py \
-        --rounds 2 --only locked --tasks 50000     # sampled (pip install py-spy)
+    py-spy record --nonblocking -r 2000 -f raw -o profile.txt -- \
+        python bench/bench_task_overhead.py --rounds 2 --only locked --tasks 50000
+
+(py-spy from pip; ``--nonblocking``: pausing the process for each sample makes its system
+calls look ten times dearer, ``os.getpid`` among them.)
 
 Celery's ``build_tracer`` runs each task as a worker child would (request context, signals,
 result handling with ``ignore_result``), with no broker and no other process, so the CPU per
