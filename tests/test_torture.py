@@ -37,7 +37,9 @@ def require(store: str) -> None:
     PostgreSQL that holds the Postgres run's ledger is not there."""
     if store == "redis" and shutil.which("redis-server") is None:
         unavailable("redis-server is not installed (apt-get install redis-server)")
-    if store == "postgres":
+    if store == "pgbouncer" and shutil.which("pgbouncer") is None:
+        unavailable("pgbouncer is not installed (apt-get install pgbouncer)")
+    if store in ("postgres", "pgbouncer"):
         if not (PG_BIN / "initdb").exists():
             unavailable(f"no initdb in {PG_BIN} (set DLOCK_TORTURE_PG_BIN)")
         from tests.support.services import postgres_admin
@@ -66,10 +68,10 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
 #: Fewest acquisitions of a short run that means something: 700-2,500 alone on this 2-core
 #: machine for the first three; the object stores take 3-5 ms a call (s3 192 and gcs over
 #: 150 beside another torture run).
-ENOUGH = {"file": 500, "postgres": 500, "redis": 500, "s3": 100, "gcs": 100}
+ENOUGH = {"file": 500, "postgres": 500, "pgbouncer": 300, "redis": 500, "s3": 100, "gcs": 100}
 
 
-@pytest.mark.parametrize("store", ["file", "postgres", "redis", "s3", "gcs"])
+@pytest.mark.parametrize("store", ["file", "postgres", "pgbouncer", "redis", "s3", "gcs"])
 def test_short_run_keeps_every_invariant(store: str, tmp_path: Path) -> None:
     require(store)
     code, [report], output = torture(tmp_path, "--store", store, "--short")

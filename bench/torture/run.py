@@ -24,7 +24,7 @@ from .chaos import FREE_LIMIT, Chaos, Cutoff, Fleet
 from .check import Report, check
 from .ledger import Ledger, open_ledger
 from .netns import Network
-from .servers import Store, make_store
+from .servers import PooledPostgresServer, Store, make_store
 from .worker import Job
 
 __all__ = ["Settings", "torture"]
@@ -72,6 +72,16 @@ def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
 def _store_url(store: Store, host: str = "127.0.0.1", migrate: bool = True) -> str:
     """The store's URL through ``host``; a Postgres store's tables made first (``migrate``)."""
     url = store.url(host)
+    if isinstance(store, PooledPostgresServer):
+        from celery_dlock.backends.postgres import PostgresBackend  # the optional driver
+
+        if migrate:  # its tables made on the cluster itself
+            backend = PostgresBackend.from_url(store.direct_url())
+            try:
+                backend.migrate()
+            finally:
+                backend.close()
+        return url + "?liveness=ttl&ttl=3"  # the workers give their own ttl to every Lock
     if store.name == "postgres":
         from celery_dlock.backends.postgres import PostgresBackend  # the optional driver
 

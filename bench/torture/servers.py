@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tests.support import objectstore_servers
+from tests.support.pgbouncer import pgbouncer
 
 __all__ = [
     "FileStore", "ObjectStoreServer", "PostgresServer", "RedisServer", "Store", "free_port",
@@ -201,6 +202,41 @@ class PostgresServer(Store):
         super().stop()
 
 
+class PooledPostgresServer(PostgresServer):
+    """The private PostgreSQL cluster behind a PgBouncer in transaction pooling mode (the
+    store with ``liveness=ttl``: leases alive by their ttl, no state on a session), with
+    fewer server connections than workers; the cluster restarts behind the pooler."""
+
+    name = "pgbouncer"
+    #: Server connections of the pooler: fewer than the run's workers.
+    POOL_SIZE = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pooler = contextlib.ExitStack()
+        self._pooler_url = ""
+
+    def direct_url(self) -> str:
+        """The cluster's own URL (for its tables: DDL does not go through the pooler)."""
+        return super().url()
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        assert self._pooler_url, "start the server first"
+        return self._pooler_url
+
+    def start(self) -> None:
+        super().start()
+        if not self._pooler_url:
+            target = self.direct_url()
+            self._pooler_url = self._pooler.enter_context(
+                pgbouncer("transaction", self.POOL_SIZE, target)
+            )
+
+    def stop(self) -> None:
+        self._pooler.close()
+        super().stop()
+
+
 class RedisServer(Store):
     """A private ``redis-server`` on a free port, with ``appendfsync always``."""
 
@@ -305,6 +341,8 @@ def make_store(name: str, restart_delay: float, full_disk: bool = False) -> Stor
         return ObjectStoreServer(name)
     if name == "postgres":
         return PostgresServer()
+    if name == "pgbouncer":
+        return PooledPostgresServer()
     if name == "redis":
         return RedisServer(restart_delay)
-    raise ValueError(f"unknown store {name!r}: file, postgres, redis, s3 or gcs")
+    raise ValueError(f"unknown store {name!r}: file, postgres, pgbouncer, redis, s3 or gcs")

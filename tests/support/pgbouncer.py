@@ -36,13 +36,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def pgbouncer(mode: str, pool_size: int = POOL_SIZE) -> Iterator[str]:
+def pgbouncer(mode: str, pool_size: int = POOL_SIZE, target: str = POSTGRES_URL) -> Iterator[str]:
     """A private PgBouncer in pool ``mode`` (trust auth, ``pool_size`` server connections)
-    in front of the test server, stopped on exit; its ``postgresql://`` URL."""
+    in front of the server of ``target`` (default: the test server), stopped on exit; its
+    ``postgresql://`` URL."""
     binary = shutil.which("pgbouncer") or shutil.which("/usr/sbin/pgbouncer")
     if binary is None:
         unavailable("pgbouncer is not installed (apt-get install pgbouncer)")
-    server = conninfo_to_dict(POSTGRES_URL)
+    server = conninfo_to_dict(target)
     user = server.get("user", "postgres")
     port = _free_port()
     # PgBouncer refuses to run as root, and reads its files as the user it becomes.
@@ -55,6 +56,8 @@ def pgbouncer(mode: str, pool_size: int = POOL_SIZE) -> Iterator[str]:
         f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nauth_type = trust\n"
         f"auth_file = {folder / 'users.txt'}\npool_mode = {mode}\n"
         f"default_pool_size = {pool_size}\nmax_client_conn = 1000\nunix_socket_dir =\n"
+        # After a server restart, log in again within a second (the default waits 15 s).
+        "server_login_retry = 1\n"
     )
     for path in folder.iterdir():
         path.chmod(0o644)
