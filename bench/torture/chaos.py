@@ -114,9 +114,11 @@ class Fleet:
             with open(self.logs[slot], "rb") as f:
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 400))
-                tail = f.read().splitlines()
+                data = f.read()
         except FileNotFoundError:
             return None
+        # A line without its newline is one the worker is still writing: not read.
+        tail = data.splitlines() if data.endswith(b"\n") else data.splitlines()[:-1]
         if tail and tail[-1].startswith(b'{"e":"begin"'):
             begin: dict[str, Any] = json.loads(tail[-1])
             return begin
