@@ -70,31 +70,30 @@ def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
 
 
 def _store_url(store: Store, host: str = "127.0.0.1", migrate: bool = True) -> str:
-    """The store's URL through ``host``; a Postgres store's tables made first (``migrate``)."""
+    """The store's URL through ``host``; a Postgres store's tables made first (``migrate``),
+    on the cluster itself (DDL does not go through a pooler)."""
     url = store.url(host)
     if isinstance(store, PooledPostgresServer):
-        from celery_dlock.backends.postgres import PostgresBackend  # the optional driver
-
-        if migrate:  # its tables made on the cluster itself
-            backend = PostgresBackend.from_url(store.direct_url())
-            try:
-                backend.migrate()
-            finally:
-                backend.close()
+        if migrate:
+            _migrate(store.direct_url())
         return url + "?liveness=ttl&ttl=3"  # the workers give their own ttl to every Lock
     if store.name == "postgres":
-        from celery_dlock.backends.postgres import PostgresBackend  # the optional driver
-
         # Few waiter connections per process: 16 workers x 9 would crowd a small server.
         url += "?max_waiters=2"
-        if not migrate:
-            return url
-        backend = PostgresBackend.from_url(url)
-        try:
-            backend.migrate()
-        finally:
-            backend.close()
+        if migrate:
+            _migrate(url)
     return url
+
+
+def _migrate(url: str) -> None:
+    """Make the Postgres store's tables at ``url``."""
+    from celery_dlock.backends.postgres import PostgresBackend  # the optional driver
+
+    backend = PostgresBackend.from_url(url)
+    try:
+        backend.migrate()
+    finally:
+        backend.close()
 
 
 def settle(backend: LockBackend, prefix: str, timeout: float) -> int:

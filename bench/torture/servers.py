@@ -39,8 +39,8 @@ from tests.support import objectstore_servers
 from tests.support.pgbouncer import pgbouncer
 
 __all__ = [
-    "FileStore", "ObjectStoreServer", "PostgresServer", "RedisServer", "Store", "free_port",
-    "make_store",
+    "FileStore", "ObjectStoreServer", "PooledPostgresServer", "PostgresServer", "RedisServer",
+    "Store", "free_port", "make_store",
 ]  # fmt: skip
 
 PG_BIN = Path(os.environ.get("DLOCK_TORTURE_PG_BIN", "/usr/lib/postgresql/15/bin"))

@@ -142,9 +142,11 @@ def newest(
         if record is None or not keep(record):
             continue
         found.append((record.released_at, position, record))
-        if count is not None and len(times) < count:
+        if count is None:
+            continue
+        if len(times) < count:
             heapq.heappush(times, record.released_at)
-        elif count is not None and record.released_at > times[0]:
+        elif record.released_at > times[0]:
             heapq.heapreplace(times, record.released_at)
     found.sort(key=lambda item: item[:2], reverse=True)
     return [record for _, _, record in found[:count]]
