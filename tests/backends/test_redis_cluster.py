@@ -6,11 +6,11 @@ fence, and a fenced resource refuses the stale holder's write."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Holder
+from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome
 from celery_dlock.backends.redis import RedisBackend
 from tests.support import eventually
 from tests.support.redis_cluster import Cluster, start_cluster
@@ -69,18 +69,11 @@ def test_a_primary_killed_mid_run_fails_over_and_fences_refuse_the_stale_holders
     late_keys = [f"job:late:{n}" for n in range(40)]
     keys += late_keys
     on_victim = [key for key in keys if slot_owner(key) == victim]
-    # Replication is asynchronous: leases taken while the replica's link is down, just
-    # before its primary dies, are not on the replica that takes over. (The primary now
-    # wants a password that the replica does not have, so the link stays down; our client's
-    # connection to it is open already.)
-    private_cluster.cli(victim, "CONFIG", "SET", "requirepass", "not-for-the-replica")
-    private_cluster.cli(replica, "CLIENT", "KILL", "TYPE", "master")
+    _cut_replication(private_cluster, victim, replica)
     for key in late_keys:
         leases[key] = lease = first.try_acquire(key, me, 30)
         assert lease is not None and ledger.write(key, lease.fence)
-    private_cluster.kill(victim)
-    private_cluster.ports.remove(victim)  # ask the survivors from now on
-    eventually(lambda: slot_owner(keys[0]) not in (victim, 0), "a replica takes over", timeout=30)
+    _fail_over(private_cluster, victim, lambda: slot_owner(keys[0]))
 
     kept = lost = 0
     for key in keys:
@@ -109,5 +102,62 @@ def _renew(backend: RedisBackend, lease: object) -> tuple[object] | None:
     """``(renew's answer,)``, or None while the cluster still fails over."""
     try:
         return (backend.renew(lease, 30),)  # type: ignore[arg-type]
+    except BackendError:
+        return None
+
+
+def test_a_key_granted_again_after_a_failover_gets_a_fence_above_the_lost_leases(
+    private_cluster: Cluster,
+) -> None:
+    """A key whose state the replica has (taken and released before), taken again on the
+    primary just before it dies: the replica that takes over lacks that grant, so its
+    counter is one behind. The next grant must still have a higher fence than the lost
+    lease's (it once had the same one: +1 on the replica's counter)."""
+    url = f"{private_cluster.url}?prefix=fr&restart_delay=0&retries=4"
+    first, second = RedisBackend.from_url(url), RedisBackend.from_url(url)
+    me, other = Holder.current(), Holder.current()
+
+    def slot_owner(key: str) -> int:
+        return private_cluster.primary_of(first._layout.names(key).lock)
+
+    victim = slot_owner("job:again:0")
+    replica = private_cluster.replica_of(victim)
+    keys = [key for key in (f"job:again:{n}" for n in range(60)) if slot_owner(key) == victim]
+    for key in keys:  # each key's state, replicated
+        for _ in range(3):
+            lease = first.try_acquire(key, me, 30)
+            assert lease is not None and first.release(lease, Outcome.SUCCEEDED) is not None
+    assert private_cluster.cli(victim, "WAIT", "1", "5000").strip() == "1"
+    _cut_replication(private_cluster, victim, replica)
+    lost = {key: first.try_acquire(key, me, 30) for key in keys}
+    _fail_over(private_cluster, victim, lambda: slot_owner(keys[0]))
+    for key, lease in lost.items():
+        assert lease is not None
+        taken = eventually(lambda key=key: _try(second, key, other), "the key is granted")
+        assert taken.fence > lease.fence, (key, lease.fence, taken.fence)
+    first.close()
+    second.close()
+
+
+def _cut_replication(cluster: Cluster, primary: int, replica: int) -> None:
+    """Replication is asynchronous: what ``primary`` writes from now on never reaches
+    ``replica``, which takes over when ``primary`` dies. (The primary now wants a password
+    that the replica does not have, so the link stays down; the clients' connections to it
+    are open already.)"""
+    cluster.cli(primary, "CONFIG", "SET", "requirepass", "not-for-the-replica")
+    cluster.cli(replica, "CLIENT", "KILL", "TYPE", "master")
+
+
+def _fail_over(cluster: Cluster, victim: int, owner: Callable[[], int]) -> None:
+    """SIGKILL the primary on ``victim`` and wait until another serves its slots."""
+    cluster.kill(victim)
+    cluster.ports.remove(victim)  # ask the survivors from now on
+    eventually(lambda: owner() not in (victim, 0), "a replica takes over", timeout=30)
+
+
+def _try(backend: RedisBackend, key: str, holder: Holder) -> Lease | None:
+    """A lease on ``key``, or None while the cluster still fails over or the key is held."""
+    try:
+        return backend.try_acquire(key, holder, 30)
     except BackendError:
         return None

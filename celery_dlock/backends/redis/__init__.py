@@ -39,8 +39,9 @@ Guarantees
     the resource and have it refuse lower ones.
     restart: with no persistence a restart loses every lock and the history. Holders then
     see ``release`` return None and ``renew`` fail (``lost``). Fences stay increasing: a
-    key with no state starts at Redis's clock in microseconds, above any fence issued
-    before, unless Redis's clock went back by more than the outage. A client that saw the
+    fence is Redis's clock in microseconds at the grant (at least the key's last fence +
+    1), above any fence issued before, unless Redis's clock went back by more than the
+    outage. A client that saw the
     old data notices the loss (the epoch key is gone) and no lock is granted for
     ``restart_delay`` seconds, so that holders of lost locks notice at their next renewal
     (keep ``restart_delay`` above ``ttl / 3``). A process that never talked to Redis before
@@ -50,7 +51,9 @@ Guarantees
     (AOF ``appendfsync always``) keeps locks and history across restarts; with ``everysec``
     the last second may be lost.
     failover: replication is asynchronous; a replica promoted before it received a lock
-    may grant it again (redis.io, "distlock"). The epoch check does not see that.
+    may grant it again (redis.io, "distlock"). The epoch check does not see that; the
+    fence, from the promoted node's clock, is higher than the lost lease's (the nodes'
+    clocks must agree within the seconds a failover takes).
     eviction: Redis must run with ``maxmemory-policy noeviction``: an evicted lock key is
     a lock given away.
     cluster: each script touches one hash slot, so the layout is cluster-legal; a

@@ -16,7 +16,8 @@ Stored form (:mod:`celery_dlock.backends.redis.fields` reads it back):
   last release: a retried release finds its first attempt there. ``wt`` is the time (ms)
   until which a waiter may be blocked on the signal list: releases wake only then. The
   hash expires the retention after the lease's expiry (or after its release, for a lease
-  without expiry); the fence then restarts from Redis's clock.
+  without expiry). A fence is Redis's clock in microseconds (or the last fence + 1, if
+  higher), so it rises across a lost state, a restart and a failover alike.
 - ``index``: a sorted set of keys with a lease, scored by expiry in ms (``+inf``: none).
 - ``history``: a stream of records, fields ``key tok fence holder acq exp rel out prob det
   res``; ``prob det res`` are JSON texts. Entry ids are the release time in ms.
@@ -254,12 +255,15 @@ if live(s[2]) then
   -- The lock key was gone but its lease was never recorded: Redis expired it.
   end_lease(key, 'expired', '"expired"', 'null', 'null', now, false, nil, nil, nil, nil)
 end
--- Fences go up by one per acquisition. A key with no state (new, idle past the retention,
--- or lost with Redis's data) starts at Redis's clock in microseconds, above every fence
--- given before: each acquisition takes Redis more than a microsecond.
+-- A fence is Redis's clock in microseconds, or one more than the key's last fence if that
+-- is higher (the clock stepped back): each acquisition takes Redis more than a
+-- microsecond, so fences rise. A key with no state (new, idle past the retention, lost
+-- with Redis's data) and a replica promoted without the last grants of its primary (its
+-- counter behind) still give a fence above every one given before, as long as the nodes'
+-- clocks differ by less than the time a failover takes (seconds).
 local fence = now
 if s[1] then
-  fence = tonumber(s[1]) + 1
+  fence = math.max(tonumber(s[1]) + 1, now)
 end
 redis.call('HSET', KEYS[2], 'fence', int(fence), 'tok', token, 'holder', ARGV[7],
            'acq', seconds(now), 'exp', exp)
