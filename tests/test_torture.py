@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.exclusive]
 def require(store: str) -> None:
     """Skip (visibly) where the store's private server cannot be started, or the shared
     PostgreSQL that holds the Postgres run's ledger is not there."""
-    if store == "redis" and shutil.which("redis-server") is None:
+    if store.startswith("redis") and shutil.which("redis-server") is None:
         unavailable("redis-server is not installed (apt-get install redis-server)")
     if store == "pgbouncer" and shutil.which("pgbouncer") is None:
         unavailable("pgbouncer is not installed (apt-get install pgbouncer)")
@@ -68,10 +68,15 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
 #: Fewest acquisitions of a short run that means something: 700-2,500 alone on this 2-core
 #: machine for the first three; the object stores take 3-5 ms a call (s3 192 and gcs over
 #: 150 beside another torture run).
-ENOUGH = {"file": 500, "postgres": 500, "pgbouncer": 300, "redis": 500, "s3": 100, "gcs": 100}
+ENOUGH = {
+    "file": 500, "postgres": 500, "pgbouncer": 300, "redis": 500, "redis-cluster": 500,
+    "s3": 100, "gcs": 100,
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("store", ["file", "postgres", "pgbouncer", "redis", "s3", "gcs"])
+@pytest.mark.parametrize(
+    "store", ["file", "postgres", "pgbouncer", "redis", "redis-cluster", "s3", "gcs"]
+)
 def test_short_run_keeps_every_invariant(store: str, tmp_path: Path) -> None:
     require(store)
     code, [report], output = torture(tmp_path, "--store", store, "--short")

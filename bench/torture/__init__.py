@@ -1,6 +1,7 @@
 """Torture: contended acquisitions under kills, pauses and store restarts, then a checker.
 
-    python -m bench.torture --store file|postgres|redis|s3|gcs[,...] [--short|--long]
+    python -m bench.torture --store file|postgres|pgbouncer|redis|redis-cluster|s3|gcs[,...]
+        [--short|--long]
         [--workers 16] [--keys 8] [--seconds S] [--kills N] [--pauses N] [--restarts N]
         [--partitions N] [--diskfulls N] [--cut-off 2] [--cut-off-options QUERY]
         [--ttl 3] [--wait 2] [--hold 0.003] [--ledger file|postgres] [--broken]
@@ -27,6 +28,14 @@ Redis: the lease's ttl), resumes it still cut off (its write is then stale and m
 refused), and heals the network. The table shows each partition's freeing time.
 ``--cut-off-options`` sets the cut-off workers' URL options (Postgres keepalives). The
 ledger of a run with partitions is in files (the namespace reaches the store only).
+
+``--store pgbouncer``: the Postgres store with ``liveness=ttl`` through a private PgBouncer in
+transaction pooling mode (8 server connections), its cluster restarted behind the pooler.
+``--store redis-cluster``: a private Redis Cluster (three primaries, a replica each, no
+persistence); each restart is a failover: a primary (each in turn) cut off from its replica
+for 0.2 s, so that what it writes then is lost as replication lag loses it, then SIGKILLed;
+once its replica serves its slots it comes back as that one's replica. No partitions there
+(the nodes announce loopback addresses, which the namespace cannot reach).
 
 The object stores (``--store s3,gcs``): a private SeaweedFS (``s3://``) and a private
 fake-gcs-server (``gs://``), started by ``tests/support/objectstore_servers.py`` for the run

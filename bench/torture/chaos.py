@@ -25,6 +25,7 @@ taken just before it:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -254,12 +255,18 @@ class Chaos(threading.Thread):
         self.done = {"kill": 0, "pause": 0, "restart": 0, "partition": 0, "diskfull": 0}
         self.errors: list[str] = []
         self.timers: list[threading.Timer] = []
+        # Restarts run beside the other faults (a Redis Cluster failover takes seconds), one
+        # at a time.
+        self.restarts: list[threading.Thread] = []
+        self._restarting = threading.Lock()
         self._stopping = threading.Event()
 
     def stop(self) -> None:
-        """Stop, and wake every paused worker now."""
+        """Stop, wait for a restart under way, and wake every paused worker now."""
         self._stopping.set()
         self.join()
+        for thread in self.restarts:
+            thread.join()
         for timer in self.timers:
             if timer.is_alive():
                 timer.cancel()
@@ -270,7 +277,17 @@ class Chaos(threading.Thread):
         for at, what in self.plan:
             if self._stopping.wait(max(0.0, began + at - time.monotonic())):
                 return
-            try:
+            if what == "restart":
+                thread = threading.Thread(target=self._fault, args=(what,), daemon=True)
+                self.restarts.append(thread)
+                thread.start()
+            else:
+                self._fault(what)
+
+    def _fault(self, what: str) -> None:
+        guard = self._restarting if what == "restart" else contextlib.nullcontext()
+        try:
+            with guard:
                 if what == "restart":
                     self._restart()
                 elif what == "kill":
@@ -282,8 +299,8 @@ class Chaos(threading.Thread):
                 else:
                     self._pause()
                 self.done[what] += 1
-            except Exception as exc:  # a failed fault is reported, never fatal to the run
-                self.errors.append(f"{what}: {exc!r}")
+        except Exception as exc:  # a failed fault is reported, never fatal to the run
+            self.errors.append(f"{what}: {exc!r}")
 
     def _pause(self) -> None:
         for _ in range(20):

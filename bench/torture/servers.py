@@ -13,6 +13,8 @@ checked):
 - file: no server, no restarts. With ``full_disk`` its directory is a tmpfs of 8 MiB
   (``mount``, as root; unmounted at the end), which ``fill(seconds)`` fills with a filler
   file, then empties: a full disk (ENOSPC) for ``seconds``.
+- redis-cluster: ``failover`` (a primary SIGKILLed, its replica promoted; see
+  :class:`RedisClusterServer`).
 - s3 and gcs: a private SeaweedFS (``weed mini``) and a private fake-gcs-server (in memory),
   started by ``tests/support/objectstore_servers.py``; no restarts (fake-gcs-server keeps
   its objects in memory, and ``weed mini`` takes seconds to come back) and no partitions.
@@ -35,17 +37,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import ClassVar
 
-from tests.support import objectstore_servers
+from tests.support import objectstore_servers, redis_cluster
 from tests.support.pgbouncer import pgbouncer
 
 __all__ = [
-    "FileStore", "ObjectStoreServer", "PooledPostgresServer", "PostgresServer", "RedisServer",
-    "Store", "free_port", "make_store",
+    "FileStore", "ObjectStoreServer", "PooledPostgresServer", "PostgresServer",
+    "RedisClusterServer", "RedisServer", "Store", "free_port", "make_store",
 ]  # fmt: skip
 
 PG_BIN = Path(os.environ.get("DLOCK_TORTURE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 #: Restarts that may lose what the store wrote shortly before (see ``check.py``).
-LOSSY = {"immediate", "wiped"}
+LOSSY = {"immediate", "wiped", "failover"}
 
 
 def free_port() -> int:
@@ -304,6 +306,49 @@ class RedisServer(Store):
         super().stop()
 
 
+class RedisClusterServer(Store):
+    """A private Redis Cluster: three primaries, a replica each, no persistence
+    (``tests/support/redis_cluster.py``). Its restart is a ``failover``: a primary (each
+    in turn) cut off from its replica for ``CUT`` seconds
+    (so that the writes of that moment are lost, as replication lag loses them), then
+    SIGKILLed; once its replica serves its slots it starts again, as that one's replica."""
+
+    name = "redis-cluster"
+    restart_kinds = ("failover",)
+    #: Seconds a primary's writes do not reach its replica before it dies.
+    CUT = 0.2
+
+    def __init__(self, restart_delay: float) -> None:
+        super().__init__()
+        self.restart_delay = restart_delay
+        self.cluster: redis_cluster.Cluster | None = None
+        self.failovers = 0
+
+    def url(self, host: str = "127.0.0.1") -> str:
+        assert self.cluster is not None, "start the server first"
+        return (
+            f"{self.cluster.url}?prefix=torture&restart_delay={self.restart_delay}"
+            "&history_maxlen=100000000"
+        )
+
+    def start(self) -> None:
+        self.cluster = redis_cluster.start_cluster()
+
+    def restart(self, kind: str) -> None:
+        if kind not in self.restart_kinds:
+            raise ValueError(f"redis-cluster restarts are {self.restart_kinds}, not {kind!r}")
+        assert self.cluster is not None
+        primaries = self.cluster.primaries()
+        victim = primaries[self.failovers % len(primaries)]
+        self.failovers += 1
+        self.cluster.fail_over(victim, cut=self.CUT)
+
+    def stop(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        super().stop()
+
+
 class ObjectStoreServer(Store):
     """A private S3 (SeaweedFS) or GCS (fake-gcs-server) server on free ports; the run's
     locks under a prefix of their own in the test bucket."""
@@ -345,4 +390,8 @@ def make_store(name: str, restart_delay: float, full_disk: bool = False) -> Stor
         return PooledPostgresServer()
     if name == "redis":
         return RedisServer(restart_delay)
-    raise ValueError(f"unknown store {name!r}: file, postgres, pgbouncer, redis, s3 or gcs")
+    if name == "redis-cluster":
+        return RedisClusterServer(restart_delay)
+    raise ValueError(
+        f"unknown store {name!r}: file, postgres, pgbouncer, redis, redis-cluster, s3 or gcs"
+    )

@@ -54,15 +54,82 @@ class Cluster:
         return 0
 
     def replica_of(self, port: int) -> int:
-        """The port of the replica of the primary on ``port``."""
-        lines = [line.split() for line in self.cli(port, "CLUSTER", "NODES").splitlines()]
-        primary = next(f[0] for f in lines if f[1].startswith(f"127.0.0.1:{port}@"))
-        return next(int(f[1].split(":")[1].split("@")[0]) for f in lines if f[3] == primary)
+        """The port of the replica of the primary on ``port``, once a live node knows it (a
+        replica in sync may not be in every node's view yet)."""
+        found: list[int] = []
+
+        def known() -> bool:
+            for node in self.ports:
+                if self.processes[node].poll() is not None:
+                    continue
+                lines = [line.split() for line in self.cli(node, "CLUSTER", "NODES").splitlines()]
+                ids = [f[0] for f in lines if f[1].startswith(f"127.0.0.1:{port}@")]
+                found.extend(
+                    int(f[1].split(":")[1].split("@")[0])
+                    for f in lines
+                    if ids and f[3] == ids[0] and "fail" not in f[2]
+                )
+                if found:
+                    return True
+            return False
+
+        _wait(known, f"a node knows the replica of {port}")
+        return found[0]
 
     def kill(self, port: int) -> None:
         """SIGKILL the node on ``port``."""
         self.processes[port].send_signal(signal.SIGKILL)
         self.processes[port].wait(10)
+
+    def spawn(self, port: int) -> None:
+        """Start the node on ``port`` (again: with its ``nodes.conf``, no data)."""
+        node = self.folder / str(port)
+        node.mkdir(exist_ok=True)
+        self.processes[port] = subprocess.Popen(
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+             "--cluster-enabled", "yes", "--cluster-config-file", str(node / "nodes.conf"),
+             "--cluster-node-timeout", "2000", "--cluster-replica-validity-factor", "0",
+             "--dir", str(node), "--save", "", "--appendonly", "no",
+             "--repl-diskless-sync-delay", "0"],
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        _wait(lambda: self.cli(port, "PING").strip() == "PONG", "a node starts")
+
+    def primaries(self) -> list[int]:
+        """The ports of the primaries that serve slots now, as a live node sees them."""
+        live = next(p for p in self.ports if self.processes[p].poll() is None)
+        found = []
+        for line in self.cli(live, "CLUSTER", "NODES").splitlines():
+            fields = line.split()
+            if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
+                found.append(int(fields[1].split(":")[1].split("@")[0]))
+        return sorted(found)
+
+    def in_sync(self, port: int) -> bool:
+        """Whether the node on ``port`` is a replica whose link to its primary is up."""
+        return "master_link_status:up" in self.cli(port, "INFO", "replication")
+
+    def fail_over(self, victim: int, cut: float = 0.0) -> None:
+        """SIGKILL the primary on ``victim`` (first cutting its replica off for ``cut``
+        seconds, so that the writes of that moment are lost as replication lag loses them),
+        wait until its replica serves its slots, then start it again: it comes back as the
+        replica of its former one, in sync."""
+        replica = self.replica_of(victim)
+        if cut:
+            self.cli(victim, "CONFIG", "SET", "requirepass", "not-for-the-replica")
+            self.cli(replica, "CLIENT", "KILL", "TYPE", "master")
+            time.sleep(cut)
+        self.kill(victim)
+        survivors = [p for p in self.ports if p != victim]
+        _wait(
+            lambda: (
+                replica in self.primaries()
+                and all("cluster_state:ok" in self.cli(p, "CLUSTER", "INFO") for p in survivors)
+            ),
+            "the replica takes over",
+        )
+        self.spawn(victim)
+        _wait(lambda: self.in_sync(victim), "the old primary is a replica in sync", 60.0)
 
     def stop(self) -> None:
         for process in self.processes.values():
@@ -93,18 +160,7 @@ def start_cluster() -> Cluster:
     folder = Path(tempfile.mkdtemp(prefix="dlock-cluster-"))
     cluster = Cluster(ports, folder)
     for port in ports:
-        node = folder / str(port)
-        node.mkdir()
-        cluster.processes[port] = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-             "--cluster-enabled", "yes", "--cluster-config-file", str(node / "nodes.conf"),
-             "--cluster-node-timeout", "2000", "--cluster-replica-validity-factor", "0",
-             "--dir", str(node), "--save", "",
-             "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-    for port in ports:
-        _wait(lambda port=port: cluster.cli(port, "PING").strip() == "PONG", "a node starts")
+        cluster.spawn(port)
     nodes = [f"127.0.0.1:{port}" for port in ports]
     subprocess.run(
         ["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "1",
@@ -119,10 +175,7 @@ def start_cluster() -> Cluster:
     # Each replica in sync with its primary, so that it can take over from it.
     replicas = [p for p in ports if "role:slave" in cluster.cli(p, "INFO", "replication")]
     for port in replicas:
-        _wait(
-            lambda port=port: "master_link_status:up" in cluster.cli(port, "INFO", "replication"),
-            "a replica is in sync",
-        )
+        _wait(lambda port=port: cluster.in_sync(port), "a replica is in sync")
     return cluster
 
 
