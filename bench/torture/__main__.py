@@ -25,7 +25,7 @@ SHORT_SECONDS = {"redis-cluster": 20.0}
 #: unless ``--keys`` and ``--hold`` say otherwise: 8 keys and 3 ms would need hours).
 LONG = {"kills": 120, "pauses": 30, "restarts": 6, "partitions": 10}
 LONG_SECONDS = {
-    "file": 1000.0, "redis": 1450.0, "redis-cluster": 1450.0, "postgres": 2200.0,
+    "file": 1000.0, "redis": 1450.0, "redis-cluster": 1200.0, "postgres": 2200.0,
     "pgbouncer": 2200.0, "s3": 240.0, "gcs": 420.0,
 }  # fmt: skip
 LONG_SHAPE = {"keys": 32, "hold": 0.0005}
