@@ -614,6 +614,35 @@ def test_fences_move_up_after_a_crash_empties_the_guard(
     assert nxt is not None and lease.fence < nxt.fence < lease.fence + 10
 
 
+@pytest.mark.parametrize("path", ["fresh", "take_over"])
+@pytest.mark.parametrize("liveness", ["session", "ttl"])
+def test_no_fence_is_given_twice_when_the_server_fails_over_under_an_open_session(
+    backends: Backends, admin: Any, schema: str, url: str, *, liveness: str, path: str
+) -> None:
+    """A standby promoted by a failover (asynchronous replication) lacks the newest grants:
+    its sequence is behind them, and its UNLOGGED guard is empty. A process whose connection
+    outlived the failover (behind a pooler, ``liveness=ttl``) never opens a new session to
+    check the guard; its next grant, of a fresh key or of a key taken over, must still get a
+    fence above every lost grant's."""
+    backend = backends(url + ("&liveness=ttl&ttl=30" if liveness == "ttl" else ""))
+    old = backend.try_acquire("job:promoted", holder(), 0.3)
+    lost = [backend.try_acquire(f"job:promoted:lost:{n}", holder(), None) for n in range(2)]
+    assert old is not None and all(lease is not None for lease in lost)
+    fences = [lease.fence for lease in lost if lease is not None]
+    # What the promoted standby has: no rows of the lost grants, the sequence before them,
+    # an empty guard (unlogged tables start empty on a promoted standby).
+    admin.execute(f'DELETE FROM "{schema}".locks WHERE fence = ANY(%s)', (fences,))
+    admin.execute(f"SELECT setval('\"{schema}\".fence', %s)", (min(fences) - 1,))
+    admin.execute(f'TRUNCATE "{schema}".fence_guard')
+    if path == "take_over":  # the old lease expired: the grant takes its key over
+        eventually(lambda: time.time() > old.expires_at + 0.05, "the old lease expires")  # type: ignore[operator]
+        new = backend.try_acquire("job:promoted", holder(), None)
+    else:
+        new = backend.try_acquire("job:promoted:fresh", holder(), None)
+    assert new is not None and new.fence > max(fences), (fences, new.fence)
+    assert admin.execute(f'SELECT count(*) FROM "{schema}".fence_guard').fetchone() == (1,)
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 

@@ -146,3 +146,25 @@ def test_a_cancelled_waiter_closes_its_connection_and_the_next_waiter_gets_the_k
     asyncio.run(scenario())
     assert backend.get(key) is None
     assert [r.outcome for r in backend.history(key=key)] == [Outcome.SUCCEEDED] * 2
+
+
+def test_no_fence_is_given_twice_when_the_server_fails_over_under_a_loops_session(
+    backend: PostgresBackend, admin: Any, schema: str
+) -> None:
+    """As the blocking store's test: a loop's lock session that outlived a failover to a
+    standby (its sequence behind the lost grants, its guard empty) still grants above them."""
+
+    async def scenario() -> tuple[list[int], int]:
+        async with AsyncLock(backend, "job:pg-aio:kept"):
+            pass  # a grant the standby has
+        lost = [await AsyncLock(backend, f"job:pg-aio:lost:{n}").acquire() for n in range(2)]
+        fences = [lease.fence for lease in lost]
+        admin.execute(f'DELETE FROM "{schema}".locks WHERE fence = ANY(%s)', (fences,))
+        admin.execute(f"SELECT setval('\"{schema}\".fence', %s)", (min(fences) - 1,))
+        admin.execute(f'TRUNCATE "{schema}".fence_guard')
+        async with AsyncLock(backend, "job:pg-aio:fresh") as lease:
+            return fences, lease.fence
+
+    fences, fence = asyncio.run(scenario())
+    assert fence > max(fences), (fences, fence)
+    assert admin.execute(f'SELECT count(*) FROM "{schema}".fence_guard').fetchone() == (1,)

@@ -49,8 +49,10 @@ Guarantees
     (3 x ``wal_writer_delay``) of history records; ``once`` kept results are committed
     durably all the same (their release waits for the WAL flush), so a task that succeeded
     never runs again because of a crash. Fences never
-    repeat: a crash empties the UNLOGGED ``fence_guard`` table, and the first session after it
-    moves the sequence up by 10**9 with a synchronous commit.
+    repeat: a crash empties the UNLOGGED ``fence_guard`` table (so does a failover: a promoted
+    standby's unlogged tables start empty), and a grant finds it empty (no fence is drawn
+    then) and first moves the sequence up by 10**9 with a synchronous commit, on any session,
+    also one that outlived the failover behind a pooler.
     wait: woken by the server, first come first served: the waiters of a key queue on a
     per-key advisory lock, the first of them waits on the holder's advisory lock (under a
     transaction-local ``lock_timeout``), and a release wakes that one only. A process that

@@ -46,6 +46,7 @@ from celery_dlock.backends.postgres.session import (
     pooled,
     tell_lost,
 )
+from celery_dlock.backends.postgres.statements import Statements
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
@@ -53,6 +54,13 @@ __all__ = ["AsyncPostgres"]
 
 #: SQLSTATEs of a wait that ran out (lock_timeout) or was cancelled (statement_timeout).
 _WAIT_ENDED = ("55P03", "57014")
+
+
+async def _restore_guard(conn: psycopg.AsyncConnection[Any], statements: Statements) -> None:
+    """``session.restore_guard``, on an asyncio connection."""
+    async with conn.transaction():
+        for statement in statements.restore_guard:
+            await conn.execute(statement)
 
 
 class _Session:
@@ -112,9 +120,7 @@ class _Loop:
             if int(row[0]) != pid:
                 raise pooled(config, pid, int(row[0]))
             if not row[1]:
-                async with conn.transaction():
-                    for statement in statements.restore_guard:
-                        await conn.execute(statement)
+                await _restore_guard(conn, statements)
         except psycopg.Error as exc:
             await conn.close()
             raise translate(exc, "opening the lock session", config.url) from exc
@@ -294,6 +300,20 @@ class AsyncPostgres:
             return None
         return Lease(key, params["token"], row[0], holder, row[1], row[2])
 
+    async def _grant(
+        self, session: _Session, holder: Holder, params: dict[str, Any], *, polite: bool
+    ) -> Any:
+        statement = self._sql.acquire_politely if polite else self._sql.acquire
+        row = await session.one(statement, params)
+        if row is not None or polite:
+            return row
+        params["retried"] = retried_details(holder)
+        params["held"] = list(session.held)
+        row = await session.one(self._sql.take_over, params)
+        if row is not None and row[7] is not None:  # the old lease was this session's
+            session.held.pop(int(row[6]), None)
+        return None if row is None else row[1:6]
+
     async def _acquire(
         self, state: _Loop, holder: Holder, params: dict[str, Any], *, polite: bool
     ) -> Any:
@@ -301,21 +321,15 @@ class AsyncPostgres:
             async with state.using("acquire") as session:
                 if session.held and time.monotonic() - session.swept > SWEEP_EVERY:
                     await self._sweep(session)
-                statement = self._sql.acquire_politely if polite else self._sql.acquire
-                row = await session.one(statement, params)
-                if row is None and polite:
-                    return None
-                if row is None:
-                    params["retried"] = retried_details(holder)
-                    params["held"] = list(session.held)
-                    row = await session.one(self._sql.take_over, params)
-                    if row is None:
-                        return None
-                    if row[7] is not None:  # the old lease was this session's
-                        session.held.pop(int(row[6]), None)
-                    row = row[1:6]
+                try:
+                    row = await self._grant(session, holder, params, polite=polite)
+                except psycopg.errors.NotNullViolation:  # no guard: as the blocking store
+                    await _restore_guard(session.conn, self._sql)
+                    row = await self._grant(session, holder, params, polite=polite)
         except SessionEnded as ended:
             raise await self._undo(state, params, ended) from ended.__cause__
+        if row is None:
+            return None
         fence = int(row[0])
         if not row[3] or row[4] != session.pid:
             await self._clear(state, params, "the lease's advisory lock could not be taken")

@@ -32,23 +32,15 @@ from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
 from celery_dlock.backends.postgres.prepared import PreparedStatements
 from celery_dlock.backends.postgres.sql import ddl
-from celery_dlock.backends.postgres.statements import HANDED_OVER
+from celery_dlock.backends.postgres.statements import HANDED_OVER, Statements
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.events import fields
 from celery_dlock.records import Lease
 
 __all__ = [
-    "SWEEP_EVERY",
-    "WATCH_EVERY",
-    "Client",
-    "Session",
-    "connection_lost",
-    "has_ended",
-    "migrate",
-    "missing_tables",
-    "pooled",
-    "tell_lost",
-]
+    "SWEEP_EVERY", "WATCH_EVERY", "Client", "Session", "connection_lost", "has_ended", "migrate",
+    "missing_tables", "pooled", "restore_guard", "tell_lost",
+]  # fmt: skip
 
 #: Seconds after a release during which a process lets waiters of the key go first.
 _POLITE_FOR = 1.0
@@ -208,9 +200,7 @@ class Client:
             elif int(row[0]) != pid:
                 raise pooled(config, pid, int(row[0]))
             if not row[1]:
-                with conn.transaction():
-                    for statement in statements.restore_guard:
-                        conn.execute(statement)
+                restore_guard(conn, statements)
         except psycopg.Error as exc:
             _close_quietly(conn)
             raise translate(exc, "opening the lock session", config.url) from exc
@@ -429,6 +419,13 @@ class Queued(Place):
         """Used up by an acquire of the key: leave the queue from a background thread."""
         if self._leave.detach() is not None:
             self._client.end_wait_later(self.conn)
+
+
+def restore_guard(conn: psycopg.Connection[Any], statements: Statements) -> None:
+    """Move the fence sequence past fences a lost WAL may give again; mark the guard."""
+    with conn.transaction():
+        for statement in statements.restore_guard:
+            conn.execute(statement)
 
 
 def migrate(config: Config) -> None:

@@ -111,10 +111,12 @@ class Statements:
         queue = f"{n.key_space('queue')}, hashtext(%(key)s)"
         locked = f"pg_try_advisory_lock({keys.of('fence')})" if session else "true"
         returning = f"fence, {_epoch('acquired_at')}, {_epoch('expires_at')}, {locked}, {pid}"
+        # NULL, refused by NOT NULL, while a crash or a failover left the guard empty: see store.py
+        self.next_fence = f"CASE WHEN EXISTS (SELECT FROM {n.guard}) THEN nextval('{n.fence}') END"
         insert = (
             f"INSERT INTO {n.locks} (key, token, fence, holder, acquired_at, expires_at, "
             "backend_pid)\n"
-            f"SELECT %(key)s, %(token)s, nextval('{n.fence}'), %(holder)s::json, "
+            f"SELECT %(key)s, %(token)s, {self.next_fence}, %(holder)s::json, "
             f"clock_timestamp(), {_TTL}, {pid} FROM {grant}"
         )
         tail = f"\nON CONFLICT (key) DO NOTHING\nRETURNING {returning}"
@@ -217,7 +219,7 @@ class Statements:
             "THEN 'disconnected' END AS ended\n"
             f"  FROM grant_, {n.locks} AS l WHERE l.key = %(key)s),\n"
             "taken AS (\n"
-            f"  UPDATE {n.locks} AS l SET token = %(token)s, fence = nextval('{n.fence}'), "
+            f"  UPDATE {n.locks} AS l SET token = %(token)s, fence = {self.next_fence}, "
             "holder = %(holder)s::json, acquired_at = clock_timestamp(), "
             f"expires_at = {_TTL}, backend_pid = {pid}\n"
             "  FROM cur WHERE cur.ended IS NOT NULL AND l.key = cur.key "
@@ -227,7 +229,7 @@ class Statements:
             "fresh AS (\n"
             f"  INSERT INTO {n.locks} (key, token, fence, holder, acquired_at, expires_at, "
             "backend_pid)\n"
-            f"  SELECT %(key)s, %(token)s, nextval('{n.fence}'), %(holder)s::json, "
+            f"  SELECT %(key)s, %(token)s, {self.next_fence}, %(holder)s::json, "
             f"clock_timestamp(), {_TTL}, {pid} WHERE NOT EXISTS (SELECT FROM cur)\n"
             "  ON CONFLICT (key) DO NOTHING\n"
             "  RETURNING fence, acquired_at, expires_at),\n"

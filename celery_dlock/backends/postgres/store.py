@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 from psycopg.types.numeric import Int8
 
 from celery_dlock.backends.base import (
@@ -32,7 +33,14 @@ from celery_dlock.backends.postgres.recovery import (
     undo_acquire,
     using_session,
 )
-from celery_dlock.backends.postgres.session import SWEEP_EVERY, Client, Queued, Session, migrate
+from celery_dlock.backends.postgres.session import (
+    SWEEP_EVERY,
+    Client,
+    Queued,
+    Session,
+    migrate,
+    restore_guard,
+)
 from celery_dlock.errors import AlreadySucceededError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
@@ -111,12 +119,15 @@ class PostgresStore(LockBackend):
             with using_session(client, self.url, "acquire") as session:
                 if session.held and time.monotonic() - session.swept > SWEEP_EVERY:
                     self._sweep(session)
-                statement = self._sql.acquire_politely if polite else self._sql.acquire
-                row = session.one(statement, params)
-                if row is None and polite:
-                    return None  # held, or left to a waiter: either way, not now
-                if row is None:  # held: take over if its holder is gone, expired or replaced
-                    row = self._take_over(session, holder, params)
+                try:
+                    row = self._grant(session, holder, params, polite=polite)
+                except psycopg.errors.NotNullViolation:
+                    # No fence while the guard is gone (``Statements.next_fence``): a crash,
+                    # or a failover to a standby, whose sequence may be behind fences given
+                    # out, under a session that outlived it (behind a pooler). Move the
+                    # sequence past them, as a new session does, and try again.
+                    restore_guard(session.conn, self._sql)
+                    row = self._grant(session, holder, params, polite=polite)
         except SessionEnded as ended:
             raise undo_acquire(client, params, ended, self.url) from ended.__cause__
         if row is None:
@@ -127,6 +138,15 @@ class PostgresStore(LockBackend):
         if self.capabilities.liveness == "session":
             session.held[fence] = params["key"]  # its advisory lock is the session's
         return (fence, row[1], row[2])
+
+    def _grant(
+        self, session: Session, holder: Holder, params: dict[str, Any], *, polite: bool
+    ) -> Any:
+        statement = self._sql.acquire_politely if polite else self._sql.acquire
+        row = session.one(statement, params)
+        if row is None and not polite:  # held: take over if its holder is gone or replaced
+            row = self._take_over(session, holder, params)
+        return row  # None: held, or (polite) left to a waiter: either way, not now
 
     def _take_over(self, session: Session, holder: Holder, params: dict[str, Any]) -> Any:
         """Take the key from a holder that is gone, expired or being replaced by its retry,
