@@ -9,7 +9,8 @@ just before its release (``end``), or to the moment its worker was SIGKILLed. Wh
    one that has read, see ``ledger.py``). One more exception ("serialized"): the
    earlier holder lost its lease to a recorded fault (a pause past the ttl, a partition, or a
    store restart, between its write and its release) after its write was accepted, and the
-   later one read that write. A partition's lease must be freed (``FREE_LIMIT``).
+   later one read that write; or it lost its lease so and was killed before it wrote. A
+   partition's lease must be freed (``FREE_LIMIT``).
 2. Fences strictly increase per key: among sections in order of grant, and among the ledger's
    accepted writes in the order accepted.
 3. The ledger agrees with itself and with the logs: each key's counter equals its accepted
@@ -271,17 +272,18 @@ def _lost_by_fault(section: Section, events: list[dict[str, Any]]) -> bool:
 
 def _serialized(earlier: Section, later: Section, events: list[dict[str, Any]]) -> bool:
     """Whether the ledger ordered two overlapping sections all the same: the earlier one
-    lost its lease to a recorded fault (a pause past its ttl, a store restart) after its
-    write was accepted, and the later one, with a higher fence, read that write, or was
-    killed before it wrote anything. Harmless, and no lock can prevent it; any overlap that
+    lost its lease to a recorded fault (a pause past its ttl, a store restart) and the later
+    one has a higher fence, and either the earlier one's write was accepted before and the
+    later one read that write (or was killed before it wrote anything), or the earlier one
+    was killed before its write, so nothing of it reached the ledger (a pause past the ttl,
+    then a SIGKILL just as it woke up). Harmless, and no lock can prevent it; any overlap that
     lost an update still fails invariant 3."""
     if not (
-        later.fence > earlier.fence
-        and earlier.release != "ok"
-        and earlier.landed
-        and _lost_by_fault(earlier, events)
+        later.fence > earlier.fence and earlier.release != "ok" and _lost_by_fault(earlier, events)
     ):
         return False
+    if not earlier.landed:
+        return earlier.killed and earlier.accepted is None
     if later.read is None:  # killed before its end line; read known if its write landed
         return not later.landed
     return earlier.read is not None and later.read > earlier.read
