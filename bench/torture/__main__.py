@@ -115,8 +115,8 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     hold = options.hold if options.hold is not None else float(shape["hold"])
     # The mode's seconds per store, where --seconds does not say.
     per_store = LONG_SECONDS if options.long else SHORT_SECONDS if options.short else {}
-    own = {s: {"seconds": per_store[s]} for s in stores if s in per_store}
-    own = own if options.seconds is None else {}
+    given = options.seconds is not None
+    own = {s: {"seconds": per_store[s]} for s in stores if s in per_store and not given}
     runs = [
         Settings(
             store=store, workers=options.workers, keys=keys,

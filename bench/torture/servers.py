@@ -239,6 +239,12 @@ class PooledPostgresServer(PostgresServer):
         super().stop()
 
 
+def _redis_options(restart_delay: float) -> str:
+    """The Redis store's URL options in a run: a fresh server refuses grants for
+    ``restart_delay`` (it may have just lost its data); the history must hold a whole run."""
+    return f"prefix=torture&restart_delay={restart_delay}&history_maxlen=100000000"
+
+
 class RedisServer(Store):
     """A private ``redis-server`` on a free port, with ``appendfsync always``."""
 
@@ -252,12 +258,7 @@ class RedisServer(Store):
         self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, host: str = "127.0.0.1") -> str:
-        # A fresh server refuses grants for restart_delay (it may have just lost its data);
-        # the history must hold a whole run.
-        return (
-            f"redis://{host}:{self.port}/0?prefix=torture"
-            f"&restart_delay={self.restart_delay}&history_maxlen=100000000"
-        )
+        return f"redis://{host}:{self.port}/0?{_redis_options(self.restart_delay)}"
 
     def start(self) -> None:
         executable = shutil.which("redis-server")
@@ -326,10 +327,7 @@ class RedisClusterServer(Store):
 
     def url(self, host: str = "127.0.0.1") -> str:
         assert self.cluster is not None, "start the server first"
-        return (
-            f"{self.cluster.url}?prefix=torture&restart_delay={self.restart_delay}"
-            "&history_maxlen=100000000"
-        )
+        return f"{self.cluster.url}?{_redis_options(self.restart_delay)}"
 
     def start(self) -> None:
         self.cluster = redis_cluster.start_cluster()

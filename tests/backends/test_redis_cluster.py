@@ -69,7 +69,7 @@ def test_a_primary_killed_mid_run_fails_over_and_fences_refuse_the_stale_holders
     late_keys = [f"job:late:{n}" for n in range(40)]
     keys += late_keys
     on_victim = [key for key in keys if slot_owner(key) == victim]
-    _cut_replication(private_cluster, victim, replica)
+    private_cluster.cut_replication(victim, replica)
     for key in late_keys:
         leases[key] = lease = first.try_acquire(key, me, 30)
         assert lease is not None and ledger.write(key, lease.fence)
@@ -128,7 +128,7 @@ def test_a_key_granted_again_after_a_failover_gets_a_fence_above_the_lost_leases
             lease = first.try_acquire(key, me, 30)
             assert lease is not None and first.release(lease, Outcome.SUCCEEDED) is not None
     assert private_cluster.cli(victim, "WAIT", "1", "5000").strip() == "1"
-    _cut_replication(private_cluster, victim, replica)
+    private_cluster.cut_replication(victim, replica)
     lost = {key: first.try_acquire(key, me, 30) for key in keys}
     _fail_over(private_cluster, victim, lambda: slot_owner(keys[0]))
     for key, lease in lost.items():
@@ -137,15 +137,6 @@ def test_a_key_granted_again_after_a_failover_gets_a_fence_above_the_lost_leases
         assert taken.fence > lease.fence, (key, lease.fence, taken.fence)
     first.close()
     second.close()
-
-
-def _cut_replication(cluster: Cluster, primary: int, replica: int) -> None:
-    """Replication is asynchronous: what ``primary`` writes from now on never reaches
-    ``replica``, which takes over when ``primary`` dies. (The primary now wants a password
-    that the replica does not have, so the link stays down; the clients' connections to it
-    are open already.)"""
-    cluster.cli(primary, "CONFIG", "SET", "requirepass", "not-for-the-replica")
-    cluster.cli(replica, "CLIENT", "KILL", "TYPE", "master")
 
 
 def _fail_over(cluster: Cluster, victim: int, owner: Callable[[], int]) -> None:

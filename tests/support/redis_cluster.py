@@ -50,7 +50,7 @@ class Cluster:
                 for span in fields[8:]:
                     first, _, last = span.partition("-")
                     if first.isdigit() and int(first) <= slot <= int(last or first):
-                        return int(fields[1].split(":")[1].split("@")[0])
+                        return _port(fields[1])
         return 0
 
     def replica_of(self, port: int) -> int:
@@ -65,9 +65,7 @@ class Cluster:
                 lines = [line.split() for line in self.cli(node, "CLUSTER", "NODES").splitlines()]
                 ids = [f[0] for f in lines if f[1].startswith(f"127.0.0.1:{port}@")]
                 found.extend(
-                    int(f[1].split(":")[1].split("@")[0])
-                    for f in lines
-                    if ids and f[3] == ids[0] and "fail" not in f[2]
+                    _port(f[1]) for f in lines if ids and f[3] == ids[0] and "fail" not in f[2]
                 )
                 if found:
                     return True
@@ -102,12 +100,20 @@ class Cluster:
         for line in self.cli(live, "CLUSTER", "NODES").splitlines():
             fields = line.split()
             if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
-                found.append(int(fields[1].split(":")[1].split("@")[0]))
+                found.append(_port(fields[1]))
         return sorted(found)
 
     def in_sync(self, port: int) -> bool:
         """Whether the node on ``port`` is a replica whose link to its primary is up."""
         return "master_link_status:up" in self.cli(port, "INFO", "replication")
+
+    def cut_replication(self, primary: int, replica: int) -> None:
+        """What ``primary`` writes from now on never reaches ``replica``, which takes over
+        when ``primary`` dies (replication is asynchronous). The primary now wants a password
+        that the replica does not have, so the link stays down; connections open to it
+        already stay open."""
+        self.cli(primary, "CONFIG", "SET", "requirepass", "not-for-the-replica")
+        self.cli(replica, "CLIENT", "KILL", "TYPE", "master")
 
     def fail_over(self, victim: int, cut: float = 0.0) -> None:
         """SIGKILL the primary on ``victim`` (first cutting its replica off for ``cut``
@@ -116,8 +122,7 @@ class Cluster:
         replica of its former one, in sync."""
         replica = self.replica_of(victim)
         if cut:
-            self.cli(victim, "CONFIG", "SET", "requirepass", "not-for-the-replica")
-            self.cli(replica, "CLIENT", "KILL", "TYPE", "master")
+            self.cut_replication(victim, replica)
             time.sleep(cut)
         self.kill(victim)
         survivors = [p for p in self.ports if p != victim]
@@ -137,6 +142,11 @@ class Cluster:
                 process.kill()
                 process.wait(10)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _port(address: str) -> int:
+    """The port of a node's address in ``CLUSTER NODES`` (``127.0.0.1:7000@17000``)."""
+    return int(address.split(":")[1].split("@", maxsplit=1)[0])
 
 
 def _free(port: int) -> bool:
