@@ -102,7 +102,7 @@ def test_an_exception_in_the_block_is_recorded_failed_with_its_traceback(
 def test_a_cancelled_waiter_leaves_nothing_held_or_queued(store: StoreCase) -> None:
     backend = store.backend
     first = Lock(store.second(), "job:aio:cancel-wait")
-    first.acquire()
+    first_lease = first.acquire()
 
     async def scenario() -> None:
         waiter = asyncio.ensure_future(AsyncLock(backend, "job:aio:cancel-wait", wait=60).acquire())
@@ -120,8 +120,14 @@ def test_a_cancelled_waiter_leaves_nothing_held_or_queued(store: StoreCase) -> N
     after.release()
     time.sleep(0.6)  # a step of the cancelled waiter still under way ends within SLICE
     assert backend.get("job:aio:cancel-wait") is None
-    holders = {r.lease.holder.nonce for r in backend.history(key="job:aio:cancel-wait")}
-    assert len(holders) == 2  # only the two sync holders ever held it
+    # The two sync holders; and the cancelled waiter only through a try that was under way
+    # when it was cancelled (it runs to its end: on a loaded machine it can land after the
+    # first release), whose lease is then released at once as revoked.
+    records = backend.history(key="job:aio:cancel-wait")
+    ours = {first_lease.holder.nonce, lease.holder.nonce}
+    assert ours <= {r.lease.holder.nonce for r in records}
+    late = [r.outcome for r in records if r.lease.holder.nonce not in ours]
+    assert late in ([], [Outcome.REVOKED]), late
 
 
 def test_a_cancelled_holder_releases_as_revoked(store: StoreCase) -> None:
