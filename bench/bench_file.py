@@ -4,6 +4,10 @@
 
 All variants run in one directory, interleaved round by round:
 - ``raw O_EXCL`` (the floor): ``os.open(O_CREAT|O_EXCL)`` + close + unlink, no content.
+- ``system calls of a pair``: the eleven system calls one ``celery_dlock`` pair makes, with
+  none of its logic: per acquire and release ``flock``, ``fstat``, ``pread``, ``pwrite`` of
+  a state of the same size, ``flock(LOCK_UN)``, and the release's history line appended.
+  What the store's protocol costs in the kernel, the floor of any Python code that keeps it.
 - ``celery_dlock``: ``FileBackend.try_acquire`` + ``release``, with fence and a history record.
 - ``celery_dlock Lock``: the same through ``with Lock(...)`` (holder, context manager).
 - ``filelock`` (if installed): ``FileLock`` acquire + release, for comparison.
@@ -13,6 +17,7 @@ Target (issue 2): celery_dlock ≥ 0.3× the floor; filelock reaches 0.05× on t
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import statistics
 import sys
@@ -25,6 +30,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 from benchlib import interleaved, our_variants, print_table, ratio_per_round
 
 from celery_dlock.backends.file import FileBackend
+
+SYSCALLS = "system calls of a pair"
+#: A lease's state as the store writes it (about this size), and a history line.
+_STATE = b'{"key":"job:bench","fence":1,"lease":{' + b"x" * 330 + b"}}"
+_LINE = b'{"lease":{' + b"x" * 420 + b"}}\n"
+
+
+def system_calls(directory: str) -> Callable[[], None]:
+    """The system calls of one acquire + release of the file store, and nothing else."""
+    fd = os.open(os.path.join(directory, "syscalls.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    history = os.open(os.path.join(directory, "syscalls.jsonl"), flags, 0o600)
+    free = b'{"key":"job:bench","fence":1,"lease":null}'.ljust(len(_STATE))
+
+    def pair() -> None:
+        for state in (_STATE, free):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.fstat(fd)
+            os.pread(fd, 4096, 0)
+            if state is free:
+                os.write(history, _LINE)
+            os.pwrite(fd, state, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    return pair
 
 
 def main() -> None:
@@ -45,6 +75,7 @@ def main() -> None:
         backend = FileBackend(os.path.join(directory, "dlock"))
         variants: dict[str, Callable[[], object]] = {
             "raw O_EXCL": raw,
+            SYSCALLS: system_calls(directory),
             **our_variants(backend),
         }
         try:
@@ -66,6 +97,9 @@ def main() -> None:
         ratio = statistics.median(ratio_per_round(results, "celery_dlock", "raw O_EXCL"))
         verdict = "meets" if ratio >= 0.3 else "MISSES"
         print(f"\ncelery_dlock / raw O_EXCL = {ratio:.2f} ({verdict} the target of ≥ 0.30)")
+        for name in ("celery_dlock", "celery_dlock Lock"):
+            share = statistics.median(ratio_per_round(results, name, SYSCALLS))
+            print(f"{name} / its {SYSCALLS} = {share:.2f}")
         records = len(backend.history(limit=None))
         print(f"history records written during the run: {records:,}")
         backend.close()

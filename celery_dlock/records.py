@@ -244,36 +244,48 @@ class Holder:
             "task_name": self.task_name,
         } | ({} if self.metadata is None else {"metadata": self.metadata})
 
-    def to_json(self) -> str:
-        """``to_dict()`` as compact ASCII JSON, the text ``json.dumps(self.to_dict(),
-        separators=(",", ":"))`` gives, at a seventh of its cost (it is encoded at every
-        acquire, with a fresh nonce): the process's part is encoded once."""
+    def to_json(self, ensure_ascii: bool = True) -> str:
+        """``to_dict()`` as compact JSON, the text ``json.dumps(self.to_dict(),
+        separators=(",", ":"), ensure_ascii=ensure_ascii)`` gives, at a seventh of its cost
+        (it is encoded at every acquire, with a fresh nonce): the process's part is encoded
+        once."""
+        string = _STRINGS[ensure_ascii]
         text = (
-            f"{_identity_json(self.host, self.pid, self.started, self.host_id)}"
-            f'"nonce":{_string(self.nonce)},"worker":{_string(self.worker)},'
-            f'"task_id":{_string(self.task_id)},"task_name":{_string(self.task_name)}'
+            f"{_identity_json(self.host, self.pid, self.started, self.host_id, ensure_ascii)}"
+            f'"nonce":{string(self.nonce)},"worker":{string(self.worker)},'
+            f'"task_id":{string(self.task_id)},"task_name":{string(self.task_name)}'
         )
         if self.metadata is None:
             return text + "}"
-        return f'{text},"metadata":{json.dumps(self.metadata, separators=(",", ":"))}}}'
+        metadata = json.dumps(self.metadata, separators=(",", ":"), ensure_ascii=ensure_ascii)
+        return f'{text},"metadata":{metadata}}}'
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Holder:
         return cls(**data)
 
 
-_ascii = json.encoder.encode_basestring_ascii
+def _string_encoder(encode: Any) -> Any:
+    def string(value: str | None) -> str:
+        return "null" if value is None else str(encode(value))
+
+    return string
 
 
-def _string(value: str | None) -> str:
-    return "null" if value is None else _ascii(value)
+#: A JSON string or null, by ``ensure_ascii``.
+_STRINGS = {
+    True: _string_encoder(json.encoder.encode_basestring_ascii),
+    False: _string_encoder(json.encoder.encode_basestring),
+}
 
 
 @lru_cache(maxsize=8)
-def _identity_json(host: str, pid: int, started: float | None, host_id: str) -> str:
+def _identity_json(
+    host: str, pid: int, started: float | None, host_id: str, ensure_ascii: bool
+) -> str:
     """The opening of a holder's JSON up to its nonce: a process's own part."""
     part = {"host": host, "pid": pid, "started": started, "host_id": host_id}
-    return json.dumps(part, separators=(",", ":"))[:-1] + ","
+    return json.dumps(part, separators=(",", ":"), ensure_ascii=ensure_ascii)[:-1] + ","
 
 
 #: Bytes of compact JSON a lease's metadata may take: it is stored with every lease and
@@ -362,6 +374,18 @@ class Lease:
             "acquired_at": self.acquired_at,
             "expires_at": self.expires_at,
         }
+
+    def to_json(self, ensure_ascii: bool = True) -> str:
+        """``to_dict()`` as compact JSON, the text ``json.dumps`` gives (see
+        ``Holder.to_json``) at a fifth of its cost: the file store writes it at every
+        acquire."""
+        string = _STRINGS[ensure_ascii]
+        expires = "null" if self.expires_at is None else repr(self.expires_at)
+        return (
+            f'{{"key":{string(self.key)},"token":{string(self.token)},"fence":{self.fence!r},'
+            f'"holder":{self.holder.to_json(ensure_ascii)},'
+            f'"acquired_at":{self.acquired_at!r},"expires_at":{expires}}}'
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Lease:

@@ -119,11 +119,21 @@ def test_lease_and_record_round_trip_through_dicts() -> None:
     ],
     ids=["task", "no task", "escapes", "portable", "floats", "metadata"],
 )
-def test_holder_json_is_the_text_json_dumps_gives(change: dict[str, object]) -> None:
+@pytest.mark.parametrize("ensure_ascii", [True, False], ids=["ascii", "utf-8"])
+def test_holder_and_lease_json_is_the_text_json_dumps_gives(
+    change: dict[str, object], ensure_ascii: bool
+) -> None:
     base = Holder.current(worker="w1@host", task_id="4f7c6a2e-1", task_name="payments.charge")
     holder = dataclasses.replace(base, **change)  # type: ignore[arg-type]
-    assert holder.to_json() == json.dumps(holder.to_dict(), separators=(",", ":"))
-    assert Holder.from_dict(json.loads(holder.to_json())) == holder
+    compact = {"separators": (",", ":"), "ensure_ascii": ensure_ascii}
+    assert holder.to_json(ensure_ascii) == json.dumps(holder.to_dict(), **compact)
+    assert Holder.from_dict(json.loads(holder.to_json(ensure_ascii))) == holder
+    for lease in (
+        Lease('job:\u00e9t\u00e9 "q"', "t" * 32, 2**53 + 1, holder, 1795283662.263032, None),
+        Lease("job:k", "t" * 32, 7, holder, 1.5, 1795283662.263032 + 30),
+    ):
+        assert lease.to_json(ensure_ascii) == json.dumps(lease.to_dict(), **compact)
+        assert Lease.from_dict(json.loads(lease.to_json(ensure_ascii))) == lease
 
 
 def test_a_zombie_holder_is_gone() -> None:

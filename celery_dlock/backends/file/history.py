@@ -80,7 +80,7 @@ def record_line(record: Record, lease_json: str | None) -> bytes:
     """``record`` as one JSON line (the form of ``Record.to_dict``), reusing the lease's
     JSON when the state file already had it encoded."""
     if lease_json is None:
-        lease_json = encode(record.lease.to_dict())
+        lease_json = record.lease.to_json(ensure_ascii=False)
     problem = "null" if record.problem is None else encode(record.problem)
     details = "null" if record.details is None else encode(record.details)
     result = "null" if record.result is None else encode(record.result)

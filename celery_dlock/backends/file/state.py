@@ -16,12 +16,14 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from celery_dlock.backends.file.history import Segment, encode
+from celery_dlock.backends.file.history import Segment
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Lease
 
 PAGE = 4096
+#: A key as a JSON string, as ``history.encode`` gives it (UTF-8, not escaped).
+_encode_key = json.encoder.encode_basestring
 _OPEN_FILES = 256
 _STRIPES = 64
 
@@ -195,8 +197,8 @@ class State:
             ) from exc
 
     def write(self, fence: int, lease: Lease | None) -> None:
-        lease_json = None if lease is None else encode(lease.to_dict())
-        text = f'{{"key":{encode(self.key)},"fence":{fence},"lease":{lease_json or "null"}}}'
+        lease_json = None if lease is None else lease.to_json(ensure_ascii=False)
+        text = f'{{"key":{_encode_key(self.key)},"fence":{fence},"lease":{lease_json or "null"}}}'
         data = text.encode("utf-8", "surrogatepass")
         if len(data) > PAGE:
             raise BackendError(f"the state of {self.key!r} does not fit in one page", None)
