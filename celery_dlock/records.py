@@ -12,7 +12,7 @@ import json
 import os
 import socket
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache
@@ -259,17 +259,19 @@ class Holder:
         return cls(**data)
 
 
-def _string_encoder(encode: Any) -> Any:
+def _json_string(encode: Callable[[str], str]) -> Callable[[str | None], str]:
+    """A text as a JSON string by ``encode`` (escaped to ASCII, or not), None as null."""
+
     def string(value: str | None) -> str:
-        return "null" if value is None else str(encode(value))
+        return "null" if value is None else encode(value)
 
     return string
 
 
 #: A JSON string or null, by ``ensure_ascii``.
 _STRINGS = {
-    True: _string_encoder(json.encoder.encode_basestring_ascii),
-    False: _string_encoder(json.encoder.encode_basestring),
+    True: _json_string(json.encoder.encode_basestring_ascii),
+    False: _json_string(json.encoder.encode_basestring),
 }
 
 
@@ -374,11 +376,12 @@ class Lease:
         ``Holder.to_json``) at a fifth of its cost: the file store writes it at every
         acquire."""
         string = _STRINGS[ensure_ascii]
-        expires = "null" if self.expires_at is None else repr(self.expires_at)
+        # Numbers as json writes them: repr of a float (and of an int, for the fence).
+        expires = "null" if self.expires_at is None else repr(float(self.expires_at))
         return (
-            f'{{"key":{string(self.key)},"token":{string(self.token)},"fence":{self.fence!r},'
+            f'{{"key":{string(self.key)},"token":{string(self.token)},"fence":{int(self.fence)},'
             f'"holder":{self.holder.to_json(ensure_ascii)},'
-            f'"acquired_at":{self.acquired_at!r},"expires_at":{expires}}}'
+            f'"acquired_at":{float(self.acquired_at)!r},"expires_at":{expires}}}'
         )
 
     @classmethod
