@@ -274,7 +274,17 @@ def test_killed_holder_is_taken_over_and_recorded(store: StoreCase) -> None:
     by_liveness = backend.capabilities.liveness in ("process", "session")
     process, old = spawn_holder(url, "job:crash", None if by_liveness else REAL_TTL)
     try:
-        assert backend.try_acquire("job:crash", holder(), None) is None
+        early = backend.try_acquire("job:crash", holder(), None)
+        if early is not None:
+            # Only on a machine too loaded to try within the holder's 1 s ttl (seen with
+            # four test workers and two busy loops on two cores): the grant must then come
+            # as the holder's lease expired, recorded so; then the key goes back.
+            assert not by_liveness, early
+            ended = [
+                r.outcome for r in backend.history(key="job:crash") if r.lease.token == old.token
+            ]
+            assert ended == [Outcome.EXPIRED], (early, old)
+            assert backend.release(early, Outcome.SUCCEEDED) is not None
     finally:
         kill(process)
     if not by_liveness:
