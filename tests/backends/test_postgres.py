@@ -27,7 +27,7 @@ from celery_dlock.records import DETAILS_LIMIT
 from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.support import eventually, force_release
 from tests.support.holders import kill, spawn_holder
-from tests.support.services import lease_session_pids
+from tests.support.services import lease_session_pids, promote_a_standby_without
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -629,11 +629,7 @@ def test_no_fence_is_given_twice_when_the_server_fails_over_under_an_open_sessio
     lost = [backend.try_acquire(f"job:promoted:lost:{n}", holder(), None) for n in range(2)]
     assert old is not None and all(lease is not None for lease in lost)
     fences = [lease.fence for lease in lost if lease is not None]
-    # What the promoted standby has: no rows of the lost grants, the sequence before them,
-    # an empty guard (unlogged tables start empty on a promoted standby).
-    admin.execute(f'DELETE FROM "{schema}".locks WHERE fence = ANY(%s)', (fences,))
-    admin.execute(f"SELECT setval('\"{schema}\".fence', %s)", (min(fences) - 1,))
-    admin.execute(f'TRUNCATE "{schema}".fence_guard')
+    promote_a_standby_without(admin, schema, fences)
     if path == "take_over":  # the old lease expired: the grant takes its key over
         eventually(lambda: time.time() > old.expires_at + 0.05, "the old lease expires")  # type: ignore[operator]
         new = backend.try_acquire("job:promoted", holder(), None)

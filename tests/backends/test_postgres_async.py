@@ -17,7 +17,7 @@ import pytest
 from celery_dlock import AsyncLock, Lease, Lock, LockLostError, Outcome
 from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.support import eventually
-from tests.support.services import lease_session_pids
+from tests.support.services import lease_session_pids, promote_a_standby_without
 
 pytest.importorskip("psycopg")
 
@@ -159,9 +159,7 @@ def test_no_fence_is_given_twice_when_the_server_fails_over_under_a_loops_sessio
             pass  # a grant the standby has
         lost = [await AsyncLock(backend, f"job:pg-aio:lost:{n}").acquire() for n in range(2)]
         fences = [lease.fence for lease in lost]
-        admin.execute(f'DELETE FROM "{schema}".locks WHERE fence = ANY(%s)', (fences,))
-        admin.execute(f"SELECT setval('\"{schema}\".fence', %s)", (min(fences) - 1,))
-        admin.execute(f'TRUNCATE "{schema}".fence_guard')
+        promote_a_standby_without(admin, schema, fences)
         async with AsyncLock(backend, "job:pg-aio:fresh") as lease:
             return fences, lease.fence
 

@@ -54,6 +54,15 @@ def lease_session_pids(admin: Any, schema: str, fence: int) -> list[int]:
     return [int(row[0]) for row in rows]
 
 
+def promote_a_standby_without(admin: Any, schema: str, fences: list[int]) -> None:
+    """Make ``schema`` what a standby promoted by a failover (asynchronous replication) has
+    when it never received the grants of ``fences``: none of their rows, the fence sequence
+    before them, and an empty guard (unlogged tables start empty on a promoted standby)."""
+    admin.execute(f'DELETE FROM "{schema}".locks WHERE fence = ANY(%s)', (fences,))
+    admin.execute(f"SELECT setval('\"{schema}\".fence', %s)", (min(fences) - 1,))
+    admin.execute(f'TRUNCATE "{schema}".fence_guard')
+
+
 def redis_client(url: str) -> Any:
     """A client of the Redis at ``url`` that answered a PING."""
     try:
