@@ -390,14 +390,36 @@ def our_waiters(backend: RedisBackend) -> int | None:
     return len(waiting) or None
 
 
+def acquire_losing_its_reply(
+    backend: RedisBackend, lossy: CountingProxy, client: str, key: str, ttl: float | None
+) -> Lease | None:
+    """``try_acquire`` through the blocking client or the asyncio one, on a connection
+    already open (its handshake done), the reply to its first try lost."""
+    if client == "blocking":
+        backend.get("job:warm")
+        lossy.drop_next_reply()
+        return backend.try_acquire(key, holder(), ttl)
+    store = backend.async_store()
+    assert store is not None
+
+    async def acquire() -> Lease | None:  # connections are the loop's: one loop for both
+        await store.get("job:warm")
+        lossy.drop_next_reply()
+        return await store.try_acquire(key, holder(), ttl)
+
+    return asyncio.run(acquire())
+
+
+CLIENTS = pytest.mark.parametrize("client", ["blocking", "asyncio"])
+
+
+@CLIENTS
 def test_an_acquire_whose_reply_was_lost_is_read_back_as_ours(
-    lossy: CountingProxy, prefix: str
+    lossy: CountingProxy, prefix: str, client: str
 ) -> None:
     backend = open_backend(prefix, via(lossy))
     check = open_backend(prefix)
-    backend.get("job:warm")
-    lossy.drop_next_reply()
-    lease = backend.try_acquire("job:lost-reply", holder(), None)
+    lease = acquire_losing_its_reply(backend, lossy, client, "job:lost-reply", None)
     assert lossy.dropped == 1  # the reply was lost
     assert lease is not None  # the retry found the lease its first attempt made
     held = check.get("job:lost-reply")
@@ -405,6 +427,32 @@ def test_an_acquire_whose_reply_was_lost_is_read_back_as_ours(
     record = backend.release(lease, Outcome.SUCCEEDED)
     assert record is not None
     assert [r.lease.token for r in check.history(key="job:lost-reply")] == [lease.token]
+    backend.close()
+    check.close()
+
+
+@CLIENTS
+def test_a_retried_acquire_whose_first_lease_expired_takes_a_new_token(
+    lossy: CountingProxy, prefix: str, client: str
+) -> None:
+    # The first try lands, its reply is lost, and its 1 ms lease expires before the retry
+    # (25-50 ms later): that lease is recorded expired under its token, and the retry's
+    # lease, a new acquisition, has a token of its own (found by the partition torture: one
+    # token recorded both 'expired' and 'succeeded').
+    backend = open_backend(prefix, via(lossy))
+    check = open_backend(prefix)
+    lease = acquire_losing_its_reply(backend, lossy, client, "job:expired-try", 0.001)
+    assert lossy.dropped == 1
+    assert lease is not None
+    [first] = check.history(key="job:expired-try")
+    assert first.outcome is Outcome.EXPIRED and first.lease.token != lease.token
+    assert first.lease.fence < lease.fence
+    # The retry's own 1 ms lease ends too, released or expired (recorded by the release
+    # that finds it gone): one record under its own token.
+    released = backend.release(lease, Outcome.SUCCEEDED)
+    _, second = check.history(key="job:expired-try")[::-1]
+    assert second.lease.token == lease.token and second.lease.fence == lease.fence
+    assert second.outcome is (Outcome.EXPIRED if released is None else Outcome.SUCCEEDED)
     backend.close()
     check.close()
 

@@ -189,13 +189,15 @@ class RedisBackend(LockBackend):
         connections = self._client.connections()
         if connections.doubtful:
             self._settle(connections)
-        token, count, tail = self.calls.acquire_call(key, holder, ttl, replace)
+        tokens, count, tail, again = self.calls.acquire_call(key, holder, ttl, replace)
         try:
-            reply = self._client.run(ACQUIRE, count, tail, operation="acquire", key=key)
+            reply = self._client.run(
+                ACQUIRE, count, tail, operation="acquire", key=key, again=again
+            )
         except BackendError as exc:
-            doubt(connections.doubtful, exc, key, token)
+            doubt(connections.doubtful, exc, key, tokens)
             raise
-        return self.calls.acquired(key, holder, token, reply)
+        return self.calls.acquired(key, holder, tokens[-1], reply)
 
     def _settle(self, connections: Wire) -> None:
         """Release the leases of acquires whose reply was lost, recorded ``disconnected``."""

@@ -148,13 +148,13 @@ class AsyncRedis:
             keys, args = self._calls.settle_call(doubtful_key, token)
             await self._eval(RELEASE, keys, args, "release", doubtful_key)
             connections.doubtful.pop(0)
-        token, count, tail = self._calls.acquire_call(key, holder, ttl, replace)
+        tokens, count, tail, again = self._calls.acquire_call(key, holder, ttl, replace)
         try:
-            reply = await self._run(ACQUIRE, count, tail, operation="acquire", key=key)
+            reply = await self._run(ACQUIRE, count, tail, operation="acquire", key=key, again=again)
         except BackendError as exc:
-            doubt(connections.doubtful, exc, key, token)
+            doubt(connections.doubtful, exc, key, tokens)
             raise
-        return self._calls.acquired(key, holder, token, reply)
+        return self._calls.acquired(key, holder, tokens[-1], reply)
 
     async def release(
         self,

@@ -97,12 +97,14 @@ class Calls:
 
     def acquire_call(
         self, key: str, holder: Holder, ttl: float | None, replace: str | None
-    ) -> tuple[str, int, bytes]:
-        """The new token, and the part count and packed tail of an ``ACQUIRE``."""
+    ) -> tuple[list[str], int, bytes, Callable[[], bytes]]:
+        """The tokens tried (one now; the retry adds its own), the part count and packed
+        tail of an ``ACQUIRE``, and the tail of its retry: a fresh token and the earlier
+        ones, so that a try whose lease Redis expired is never granted again."""
         ttl = validate_ttl(ttl)
-        token = new_token()
+        tokens = [new_token()]
+        head = self._segment(key, 7)
         args: list[bytes | str] = [
-            token,
             "" if ttl is None else ms(ttl),
             self._holder_json(holder),
             self._epochs.get(self.layout.names(key).epoch, b""),
@@ -110,17 +112,28 @@ class Calls:
             replace or "",
             "" if replace is None else encode_json(retried_details(holder)),
         ]
-        tail = self._segment(key, 7) + bulks(args)
-        return token, self._segment_count(7) + len(args), tail
+
+        def again() -> bytes:
+            earlier = " ".join(tokens)
+            tokens.append(new_token())
+            return head + bulks([tokens[-1], *args, earlier])
+
+        tail = head + bulks([tokens[0], *args, ""])
+        return tokens, self._segment_count(7) + len(args) + 2, tail, again
 
     def acquired(self, key: str, holder: Holder, token: str, reply: bytes) -> Lease | None:
-        """The lease an ``ACQUIRE`` reply grants, or None; the epoch it reports kept."""
+        """The lease an ``ACQUIRE`` sent last as ``token`` grants (or an earlier try of it,
+        whose token the reply names), or None; the epoch it reports kept."""
         parts = reply.split()
-        if parts[-1] != b"-":
-            self._epochs[self.layout.names(key).epoch] = parts[-1]
-        if len(parts) == 2:
-            return None
-        fence, acquired, expires, _ = parts
+        if len(parts) == 5:
+            fence, acquired, expires, _, earlier = parts
+            token = earlier.decode()
+        else:
+            if parts[-1] != b"-":
+                self._epochs[self.layout.names(key).epoch] = parts[-1]
+            if len(parts) == 2:
+                return None
+            fence, acquired, expires, _ = parts
         return Lease(key, token, int(fence), holder, float(acquired), optional_seconds(expires))
 
     def settle_call(self, key: str, token: str) -> tuple[Sequence[bytes], list[Any]]:

@@ -36,11 +36,12 @@ AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
 _DOUBTFUL_LIMIT = 1000
 
 
-def doubt(doubtful: list[tuple[str, str]], exc: BackendError, key: str, token: str) -> None:
-    """Note an acquire of ``key`` as ``token`` that failed with ``exc``: if it may have
-    landed with its reply lost, its lease is released once Redis answers again."""
-    if isinstance(exc.__cause__, AMBIGUOUS) and len(doubtful) < _DOUBTFUL_LIMIT:
-        doubtful.append((key, token))
+def doubt(doubtful: list[tuple[str, str]], exc: BackendError, key: str, tokens: list[str]) -> None:
+    """Note an acquire of ``key`` that failed with ``exc`` after trying ``tokens``: if a
+    try may have landed with its reply lost, its lease is released once Redis answers."""
+    if isinstance(exc.__cause__, AMBIGUOUS):
+        room = max(0, _DOUBTFUL_LIMIT - len(doubtful))
+        doubtful.extend((key, token) for token in tokens[:room])
 
 
 class Wire(Protocol):

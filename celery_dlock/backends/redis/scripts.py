@@ -182,10 +182,25 @@ ACQUIRE = _script(
     """
 -- acquire: KEYS +6 epoch, 7 quarantine | ARGV +4 key, token, ttl ms or '', holder JSON,
 -- epoch this client saw or '', quarantine ms, token of a live lease to take over or '',
--- details JSON for its record
--- | 'fence acq exp epoch' taken; '0 epoch' held by another, or quarantined ('-': the
--- epoch was not read)
+-- details JSON for its record, tokens of this acquire's earlier tries (space-separated;
+-- '' on its first) | 'fence acq exp epoch' taken as token; 'fence acq exp - earlier' an
+-- earlier try took it and its reply was lost; '0 epoch' held by another, or quarantined
+-- ('-': the epoch was not read)
 local key, token, ttl, replace = ARGV[4], ARGV[5], ARGV[6], ARGV[10]
+if ARGV[12] ~= '' then
+  -- A retry: each try has a token of its own, so a lease an earlier try took and Redis
+  -- expired (recorded under that token) is never granted again under it.
+  local current = redis.call('GET', KEYS[1])
+  for earlier in string.gmatch(ARGV[12], '%S+') do
+    if current == earlier then
+      local kept = redis.call('HMGET', KEYS[2], 'fence', 'acq', 'exp')
+      if kept[3] == '' then
+        kept[3] = '-'
+      end
+      return table.concat({kept[1], kept[2], kept[3], '-', earlier}, ' ')
+    end
+  end
+end
 local now = now_us()
 local s = redis.call('HMGET', KEYS[2], 'fence', 'tok')
 local epoch = '-'
@@ -230,16 +245,7 @@ else
   taken = redis.call('SET', KEYS[1], token, 'NX', 'PXAT', exp_ms)
 end
 if not taken then
-  local current = redis.call('GET', KEYS[1])
-  if current == token then
-    -- This very acquire ran before and its reply was lost: the lease is ours.
-    local kept = redis.call('HMGET', KEYS[2], 'fence', 'acq', 'exp')
-    if kept[3] == '' then
-      kept[3] = '-'
-    end
-    return table.concat({kept[1], kept[2], kept[3], epoch}, ' ')
-  end
-  if replace == '' or current ~= replace then
+  if replace == '' or redis.call('GET', KEYS[1]) ~= replace then
     return '0 ' .. epoch
   end
   -- A task's retry continues its own attempt: that lease ends 'retried'.
