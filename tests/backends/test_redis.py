@@ -24,7 +24,16 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_dlock import AsyncLock, BackendError, ConfigurationError, Holder, Lease, Lock, Outcome
+from celery_dlock import (
+    AsyncLock,
+    BackendError,
+    ConfigurationError,
+    Holder,
+    Lease,
+    Lock,
+    Outcome,
+    Record,
+)
 from celery_dlock.backends import backend_from_url
 from tests.backends.test_contract import KEYS
 from tests.support import eventually, force_release
@@ -470,6 +479,46 @@ def test_a_release_whose_reply_was_lost_returns_its_record_once(
     assert backend.history(key="job:lost-release") == [record]
     assert backend.release(lease, Outcome.FAILED) is None  # a second call is not a retry
     backend.close()
+
+
+@CLIENTS
+def test_a_release_whose_reply_was_lost_while_the_key_changed_hands_returns_its_record(
+    lossy: CountingProxy, prefix: str, client: str
+) -> None:
+    # The release lands and its reply is lost; before the retry, another holder takes the
+    # key and releases it. The retry still finds the first release's record, so nothing
+    # records the lease 'lost' beside its 'succeeded'.
+    backend = open_backend(prefix, via(lossy))
+    check = open_backend(prefix)
+    others: list[Lease] = []
+
+    def next_holder() -> None:
+        other = check.try_acquire("job:handed", holder(), None)
+        assert other is not None and check.release(other, Outcome.SUCCEEDED) is not None
+        others.append(other)
+
+    async def in_one_loop() -> tuple[Lease, Record | None]:
+        store = backend.async_store()
+        assert store is not None
+        lease = await store.try_acquire("job:handed", holder(), None)
+        assert lease is not None
+        lossy.drop_next_reply(then=next_holder)
+        return lease, await store.release(lease, Outcome.SUCCEEDED)
+
+    if client == "blocking":
+        lease = backend.try_acquire("job:handed", holder(), None)
+        assert lease is not None
+        lossy.drop_next_reply(then=next_holder)
+        record = backend.release(lease, Outcome.SUCCEEDED)
+    else:
+        lease, record = asyncio.run(in_one_loop())
+    assert lossy.dropped == 1 and len(others) == 1
+    assert record is not None and record.lease.token == lease.token
+    assert record.outcome is Outcome.SUCCEEDED
+    found = [(r.lease.token, r.outcome) for r in check.history(key="job:handed")]
+    assert found == [(others[0].token, Outcome.SUCCEEDED), (lease.token, Outcome.SUCCEEDED)]
+    backend.close()
+    check.close()
 
 
 def test_an_acquire_lost_beyond_retries_leaves_no_orphan(lossy: CountingProxy, prefix: str) -> None:

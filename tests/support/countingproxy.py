@@ -24,6 +24,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 
 class CountingProxy:
@@ -37,6 +38,7 @@ class CountingProxy:
         self._closing = threading.Event()
         self._connections: list[socket.socket] = []
         self._to_drop = 0
+        self._then: list[Callable[[], object]] = []
         self._refusing = False
         #: Replies lost so far by ``drop_next_reply``.
         self.dropped = 0
@@ -70,10 +72,13 @@ class CountingProxy:
                 return
             time.sleep(quiet - idle)
 
-    def drop_next_reply(self) -> None:
-        """Lose the server's next reply, cutting its connection."""
+    def drop_next_reply(self, then: Callable[[], object] | None = None) -> None:
+        """Lose the server's next reply, cutting its connection; ``then``, if given, is
+        called first, while the client still waits for that reply."""
         with self._lock:
             self._to_drop += 1
+            if then is not None:
+                self._then.append(then)
 
     def refuse(self) -> None:
         """Cut every connection and refuse new ones until ``accept()``."""
@@ -136,10 +141,15 @@ class CountingProxy:
                         self._last_activity = time.monotonic()
                         if sock is client and not last_from_client:
                             self._round_trips += 1
-                        if sock is server and self._to_drop > 0:
+                        dropping = sock is server and self._to_drop > 0
+                        if dropping:
                             self._to_drop -= 1
                             self.dropped += 1
-                            return  # the reply dies with the connection, cut below
+                            then = self._then.pop(0) if self._then else None
+                    if dropping:
+                        if then is not None:
+                            then()
+                        return  # the reply dies with the connection, cut below
                     last_from_client = sock is client
                     peers[sock].sendall(data)
         except (OSError, ValueError):  # ValueError: select() on a socket closed meanwhile

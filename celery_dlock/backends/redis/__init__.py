@@ -97,17 +97,15 @@ from celery_dlock.backends.redis.fields import (
     record_from_fields,
 )
 from celery_dlock.backends.redis.history import ms_floor
+from celery_dlock.backends.redis.history_scripts import ADD, PRUNE, REMEMBER
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.scripts import (
     ACQUIRE,
-    ADD,
     DUE,
     EXPIRE,
     PEEK,
     PROBE,
-    PRUNE,
     RELEASE,
-    REMEMBER,
     RENEW,
     bulks,
 )

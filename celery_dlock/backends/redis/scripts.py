@@ -41,14 +41,11 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "ACQUIRE",
-    "ADD",
     "DUE",
     "EXPIRE",
     "PEEK",
     "PROBE",
-    "PRUNE",
     "RELEASE",
-    "REMEMBER",
     "RENEW",
     "Script",
     "bulks",
@@ -287,9 +284,11 @@ RELEASE = _script(
     """
 -- release: KEYS +6 result key (only for a success with a result and a task name)
 -- | ARGV +4 key, token, outcome, problem JSON, details JSON, result JSON, retry flag,
--- result ms | 'rel exp' released (also when a retry finds its first attempt did it); 0 not
--- ours (if it was ours until Redis expired it, that is recorded now)
+-- result ms | 'rel exp' released (also when a retry finds its first attempt did it, in the
+-- state or, the key taken since, among the newest records); 0 not ours (if it was ours
+-- until Redis expired it, that is recorded now)
 local key, token = ARGV[4], ARGV[5]
+local RECENT = 500  -- records a retry reads back
 -- While the lock key exists it holds the state's token: only these scripts write either.
 local s = redis.call('HMGET', KEYS[2], 'tok', 'fence', 'holder', 'acq', 'exp', 'wt', 'rtok',
                      'rel', 'rexp')
@@ -299,6 +298,17 @@ if s[1] ~= token then
       s[9] = '-'
     end
     return s[8] .. ' ' .. s[9]
+  elseif ARGV[10] == '1' then
+    -- The key changed hands since the first try: its record, if it landed, is in history.
+    for _, entry in ipairs(redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', RECENT)) do
+      local f = entry[2]
+      if f[4] == token and f[16] == ARGV[6] then
+        if f[12] == '' then
+          f[12] = '-'
+        end
+        return f[14] .. ' ' .. f[12]
+      end
+    end
   end
   return 0
 end
@@ -410,66 +420,5 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%d', now_ms),
                   'LIMIT', 0, ARGV[1])
-""",
-)
-
-PRUNE = Script(
-    "prune",
-    """
--- prune: KEYS 1 history | ARGV 1 before (seconds), 2 first and 3 last ms to look at one
--- by one | how many records released before went
-local before = tonumber(ARGV[1])
-local gone = redis.call('XTRIM', KEYS[1], 'MINID', '=', ARGV[2])
--- Entry ids are release times, but add_record's may be a millisecond off: near the cut,
--- decide by each record's own release time.
-local near = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[3] .. '-18446744073709551615')
-for _, entry in ipairs(near) do
-  local f = entry[2]
-  for i = 1, #f, 2 do
-    if f[i] == 'rel' and tonumber(f[i + 1]) < before then
-      gone = gone + redis.call('XDEL', KEYS[1], entry[1])
-    end
-  end
-end
-return gone
-""",
-)
-
-ADD = Script(
-    "add",
-    """
--- add: KEYS 1 history[, 2 result key] | ARGV 1 maxlen, 2 id ms, 3 result ms, 4... the
--- record's fields | 1
-local fields = {}
-for i = 4, #ARGV do
-  fields[#fields + 1] = ARGV[i]
-end
-local added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[2] .. '-*', unpack(fields))
-if type(added) == 'table' and added.err then
-  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
-end
-if KEYS[2] then
-  redis.call('HSET', KEYS[2], unpack(fields))
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
-end
-return 1
-""",
-)
-
-REMEMBER = Script(
-    "remember",
-    """
--- remember: KEYS 1 result key | ARGV 1 result ms, 2... the record's fields | 1 kept,
--- 0 when a success is kept already (first wins: never an overwrite)
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
-end
-local fields = {}
-for i = 2, #ARGV do
-  fields[#fields + 1] = ARGV[i]
-end
-redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return 1
 """,
 )

@@ -1,0 +1,70 @@
+"""The Lua scripts of the Redis backend that write history apart from a lease's end:
+pruning it, a record added by the client, a success kept for ``once``. Stored form: see
+:mod:`celery_dlock.backends.redis.scripts`."""
+
+from __future__ import annotations
+
+from celery_dlock.backends.redis.scripts import Script
+
+__all__ = ["ADD", "PRUNE", "REMEMBER"]
+
+PRUNE = Script(
+    "prune",
+    """
+-- prune: KEYS 1 history | ARGV 1 before (seconds), 2 first and 3 last ms to look at one
+-- by one | how many records released before went
+local before = tonumber(ARGV[1])
+local gone = redis.call('XTRIM', KEYS[1], 'MINID', '=', ARGV[2])
+-- Entry ids are release times, but add_record's may be a millisecond off: near the cut,
+-- decide by each record's own release time.
+local near = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[3] .. '-18446744073709551615')
+for _, entry in ipairs(near) do
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'rel' and tonumber(f[i + 1]) < before then
+      gone = gone + redis.call('XDEL', KEYS[1], entry[1])
+    end
+  end
+end
+return gone
+""",
+)
+
+ADD = Script(
+    "add",
+    """
+-- add: KEYS 1 history[, 2 result key] | ARGV 1 maxlen, 2 id ms, 3 result ms, 4... the
+-- record's fields | 1
+local fields = {}
+for i = 4, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+local added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[2] .. '-*', unpack(fields))
+if type(added) == 'table' and added.err then
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
+end
+if KEYS[2] then
+  redis.call('HSET', KEYS[2], unpack(fields))
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return 1
+""",
+)
+
+REMEMBER = Script(
+    "remember",
+    """
+-- remember: KEYS 1 result key | ARGV 1 result ms, 2... the record's fields | 1 kept,
+-- 0 when a success is kept already (first wins: never an overwrite)
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+local fields = {}
+for i = 2, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+""",
+)
