@@ -1,5 +1,6 @@
-"""The torture checker's overlap rule (``bench/torture/check.py``), on sections made by hand:
-which overlaps it excuses and which it reports."""
+"""The torture checker's overlap rule and its rule for a lease's records
+(``bench/torture/check.py``), on sections made by hand: which it excuses and which it
+reports."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench.torture.check import Report, Section, check_sections
+from bench.torture.check import Report, Section, check_sections, wrong_record
 
 KEY = "torture:k:0"
 
@@ -54,3 +55,22 @@ def test_other_overlaps_with_a_killed_holder_are_reported(case: str) -> None:
         earlier.landed, earlier.read = True, 7
     report = overlap(earlier, events, later)
     assert report.violations >= 1 and report.overlaps == 1, report.problems
+
+
+@pytest.mark.parametrize(
+    ("release", "found", "right"),
+    [
+        ("ok", ["succeeded"], True),
+        ("ok", ["expired", "succeeded"], False),  # one token, two leases (a Redis retry)
+        ("lost", ["lost"], True),
+        ("lost", ["expired", "lost"], True),  # the finder's record and the holder's
+        ("lost", ["expired"], False),
+        ("lost", ["lost", "succeeded"], False),  # a release that landed, reported lost
+    ],
+)
+def test_a_lease_s_records_must_match_how_its_release_ended(
+    release: str, found: list[str], right: bool
+) -> None:
+    section = Section(KEY, "a", 10, start=100.0, log="w01.0001.jsonl", end=100.001)
+    section.ended, section.release = True, release
+    assert (wrong_record(section, found) is None) is right

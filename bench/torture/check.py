@@ -346,16 +346,17 @@ def _acknowledged(section: Section) -> bool:
     return section.release in ("ok", "lost")
 
 
-#: What a lease whose holder was killed inside its section may be recorded as.
+#: What may be recorded of a lease whose holder was killed inside its section, or whose
+#: release found it gone (the holder's own record is then ``lost``).
 KILLED = {"disconnected", "expired", "lost"}
 
 
-def _wrong_record(section: Section, found: list[str]) -> str | None:
+def wrong_record(section: Section, found: list[str]) -> str | None:
     """What is wrong with the records of one section's lease, which exist; None if they
     are the right ones."""
     if section.release == "ok" and found != ["succeeded"]:
         return f"{section.key}: fence {section.fence} released ok, recorded {found}"
-    if section.release == "lost" and "lost" not in found:
+    if section.release == "lost" and ("lost" not in found or not set(found) <= KILLED):
         return f"{section.key}: fence {section.fence} released lost, recorded {found}"
     if section.killed and not section.ended and not set(found) <= KILLED:
         return f"{section.key}: fence {section.fence} killed in section, recorded {found}"
@@ -391,7 +392,7 @@ def check_history(
                 releases.update([section.release or "none"])
                 cut_outcomes.update(found or ["missing"])
             if found:
-                if (wrong := _wrong_record(section, found)) is None:
+                if (wrong := wrong_record(section, found)) is None:
                     continue
                 excuse = _excuse(section, restarts)
                 if excuse is not None and excuse["kind"] == "failover":
