@@ -12,7 +12,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
-from celery_dlock import BackendError, Holder, Outcome
+from celery_dlock import BackendError, Holder, Lease, Outcome
 from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.objectstore import ObjectStoreBackend
 from tests.backends.test_objectstore import workload
@@ -120,6 +120,42 @@ def test_a_write_whose_answer_was_lost_is_settled_by_reading_back(
     assert writes == [200, 412], writes
 
 
+@pytest.mark.parametrize("meanwhile", ["taken", "taken and released"])
+def test_a_release_whose_answer_was_lost_while_the_key_changed_hands_returns_its_record(
+    object_server: Server,  # noqa: F811
+    proxy: HTTPProxy,  # noqa: F811
+    meanwhile: str,
+) -> None:
+    # The release lands, its answer is lost, and before the client library's retry (which
+    # gets 412) another holder takes the key (and releases it: the first record then moves
+    # from the lock object to history/). The release still returns its record, so Lock
+    # never records the lease 'lost' beside its 'succeeded'.
+    prefix = unique_prefix()
+    backend = through(object_server, proxy, prefix)
+    direct = backend_from_url(object_server.url(prefix))
+    lease = backend.try_acquire("job:handed", holder(), None)
+    assert lease is not None
+    others: list[Lease] = []
+
+    def next_holder() -> None:
+        other = direct.try_acquire("job:handed", holder(), None)
+        assert other is not None
+        if meanwhile == "taken and released":
+            assert direct.release(other, Outcome.SUCCEEDED) is not None
+        others.append(other)
+
+    proxy.add(Fault(match=is_lock_write, drop=True))
+    proxy.add(Fault(match=is_lock_write, before=next_holder))
+    record = backend.release(lease, Outcome.SUCCEEDED)
+    assert len(others) == 1  # the retry came after the other holder's turn
+    assert record is not None and record.lease.token == lease.token
+    assert record.outcome is Outcome.SUCCEEDED
+    found = [(r.lease.token, r.outcome) for r in direct.history(key="job:handed")]
+    assert (lease.token, Outcome.SUCCEEDED) in found
+    assert [token for token, _ in found].count(lease.token) == 1
+    assert backend.release(lease, Outcome.SUCCEEDED) is None  # a second call is not a retry
+
+
 def test_a_reset_write_with_no_retry_is_settled_by_reading_back(
     object_server: Server,  # noqa: F811
     proxy: HTTPProxy,  # noqa: F811
@@ -140,6 +176,35 @@ def test_a_reset_write_with_no_retry_is_settled_by_reading_back(
         backend.try_acquire("job:reset", holder(), None)
     assert len(lost.hits) == 1
     assert backend_from_url(object_server.url(prefix)).get("job:reset") is None
+
+
+def test_a_release_that_landed_unconfirmed_returns_its_record_when_tried_again(
+    object_server: Server,  # noqa: F811
+    proxy: HTTPProxy,  # noqa: F811
+) -> None:
+    if object_server.kind == "fake-gcs":
+        pytest.skip("not applicable: google-cloud-storage always retries (see the test above)")
+    # The release's swap lands, its answer is lost and so is the read that would settle it:
+    # the release raises (it may still take effect). Tried again, as Lock does for a
+    # success, it finds its own record in the lock object instead of reporting it lost.
+    prefix = unique_prefix()
+    backend = through(object_server, proxy, prefix, "&max_attempts=1")
+    lease = backend.try_acquire("job:unconfirmed", holder(), None)
+    assert lease is not None
+    landed = proxy.add(Fault(match=is_lock_write, drop=True))
+    unread = proxy.add(
+        Fault(match=lambda r: r.method == "GET" and "/locks/" in _path(r), drop=True, forward=False)
+    )
+    with pytest.raises(BackendError):
+        backend.release(lease, Outcome.SUCCEEDED)
+    assert (len(landed.hits), len(unread.hits)) == (1, 1)
+    direct = backend_from_url(object_server.url(prefix))
+    assert direct.get("job:unconfirmed") is None  # it landed
+    record = backend.release(lease, Outcome.SUCCEEDED)
+    assert record is not None and record.lease.token == lease.token
+    assert [(r.lease.token, r.outcome) for r in direct.history(key="job:unconfirmed")] == [
+        (lease.token, Outcome.SUCCEEDED)
+    ]
 
 
 CONFLICT = (

@@ -231,11 +231,16 @@ class ObjectStoreBackend(LockBackend):
         problem: str | None = None,
         details: str | None = None,
         result: Any = None,
+        *,
+        own: bool = False,
     ) -> Record | None:
         """Swap the lock object from ``state`` (held) to free, with the record of its lease.
 
         If the swap loses to a renewal of the same lease (same token, new version), it is
         retried on the new version; the record is returned only if our swap took effect.
+        ``own``: the holder's own release. A swap of it that finds the key changed may
+        follow an earlier try that landed with its answer lost: that try's record is
+        returned if it is there (``records.landed``).
         """
         name = self.layout.lock(state.key)
         for _ in range(_ATTEMPTS):
@@ -264,7 +269,8 @@ class ObjectStoreBackend(LockBackend):
             assert found is not None
             current = self.objects.decode(found, name)
             if current is None or current.lease is None or current.lease.token != lease.token:
-                return None
+                self.objects.local.get().saw(name, current)
+                return records.landed(self, lease, outcome, current) if own else None
             state = current
         return None
 
@@ -282,7 +288,7 @@ class ObjectStoreBackend(LockBackend):
         if maybe_expired(state.lease, self.objects.now()):
             self._end(state, Outcome.EXPIRED, "expired")
             return None
-        return self._end(state, outcome, problem, details, result)
+        return self._end(state, outcome, problem, details, result, own=True)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)

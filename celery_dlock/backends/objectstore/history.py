@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from celery_dlock.backends.base import success_task
 from celery_dlock.backends.naming import file_name
-from celery_dlock.backends.objectstore.layout import encode, keeps_result
+from celery_dlock.backends.objectstore.layout import LockState, encode, keeps_result
 from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
-from celery_dlock.records import Outcome, Record
+from celery_dlock.records import Lease, Outcome, Record
 
 if TYPE_CHECKING:
     from celery_dlock.backends.objectstore import ObjectStoreBackend
 
-__all__ = ["add", "flush", "keep", "last_success", "prune", "query", "remember"]
+__all__ = ["add", "flush", "keep", "landed", "last_success", "prune", "query", "remember"]
 
 logger = logging.getLogger("celery_dlock")
 _MICRO = 1e6
@@ -108,6 +108,34 @@ def query(
         if (key is None or record.key == key) and (since is None or record.released_at >= since):
             found.append(record)
     return found
+
+
+def landed(
+    backend: ObjectStoreBackend, lease: Lease, outcome: Outcome, state: LockState | None
+) -> Record | None:
+    """The record of ``lease``'s release with ``outcome`` if an earlier try of that release
+    landed though its answer was lost, the key perhaps taken since (``state``: its lock
+    object now): in the lock object's ``ended``, or under ``history/`` once a later writer
+    moved it there (found by name among those released since the lease was granted).
+    None: no such release landed."""
+    wanted = Outcome(outcome).value
+    ended = None if state is None else state.ended
+    if ended is not None and ended["lease"]["token"] == lease.token:
+        if ended["outcome"] != wanted:
+            return None
+        flush(backend, ended)
+        return Record.from_dict(ended)
+    oldest = math.floor(lease.acquired_at * _MICRO)
+    for found in backend.store().names(backend.layout.history):
+        parsed = backend.layout.parse_history(found)
+        if parsed is None:
+            continue
+        if parsed.micros < oldest:
+            break  # newest first: the rest were released before the lease was granted
+        if parsed.token == lease.token and parsed.outcome == wanted:
+            body = backend.objects.read(found).body
+            return None if body is None else Record.from_dict(json.loads(body))
+    return None
 
 
 def last_success(backend: ObjectStoreBackend, key: str, task_name: str) -> Record | None:
