@@ -265,6 +265,25 @@ def test_release_whose_reply_was_lost_is_read_back_by_token(
     assert backend.get("job:cut") is None
 
 
+def test_a_ttl_lease_whose_renewal_reply_was_lost_is_not_reported_lost(
+    backends: Backends, schema: str, cutting: CountingProxy
+) -> None:
+    # liveness=ttl: the lease lives by its ttl, not by the session the cut ended, so the
+    # renewal fails as an error to try again (the renewer does), not as a lost lease. (That
+    # mode has no asyncio client: AsyncLock runs it in threads.)
+    backend = backends(via(cutting.port, schema, liveness="ttl", ttl=60))
+    lease = backend.try_acquire("job:cut-renew", holder(), 30)
+    assert lease is not None and backend.renew(lease, 30) is not None  # prepared
+    cutting.drop_next_reply()
+    with pytest.raises(BackendError):
+        backend.renew(lease, 60)
+    assert cutting.dropped == 1
+    renewed = backend.renew(lease, 60)
+    assert renewed is not None and renewed.token == lease.token
+    held = backend.get("job:cut-renew")
+    assert held is not None and held.token == lease.token
+
+
 def test_release_on_a_dead_session_is_lost_and_left_for_reap(
     backends: Backends, schema: str, admin: Any
 ) -> None:

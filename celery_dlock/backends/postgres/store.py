@@ -278,7 +278,9 @@ class PostgresStore(LockBackend):
                 with using_session(client, self.url, "renew") as session:
                     row = session.one(self._sql.renew, params)
             except SessionEnded:
-                return None  # whatever landed, the lease died with the session
+                if self._config.liveness == "session":
+                    return None  # whatever landed, the lease died with the session
+                raise  # a ttl lease lives on, renewed or not: the renewer tries again
         if row is None:
             return None
         return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
