@@ -408,3 +408,33 @@ def test_a_full_disk_refuses_with_backend_errors_and_loses_nothing(small_disk: P
     assert [r.outcome for r in backend.history(key="job:held")] == [Outcome.SUCCEEDED]
     assert backend.try_acquire("job:new", me, 30) is not None
     backend.close()
+
+
+def test_a_success_the_full_disk_cannot_keep_is_refused_before_any_record(
+    small_disk: Path,
+) -> None:
+    # The history's page has room for a record; the success file ``once`` replays needs a
+    # new one. The release is refused with a BackendError (Lock tries a success again), the
+    # lease stays held and nothing is recorded: before, the record was appended first and a
+    # bare OSError left it beside the lease, which then ended a second time.
+    backend = FileBackend.from_url(f"file://{small_disk}/store")
+    me = Holder.current(task_name="tasks.charge")
+    warm = backend.try_acquire("job:kept", me, 30)
+    assert warm is not None and backend.release(warm, Outcome.FAILED, "Boom", "d") is not None
+    held = backend.try_acquire("job:kept", me, 30)
+    assert held is not None
+    filler = fill(small_disk)
+    with pytest.raises(BackendError, match="No space left"):
+        backend.release(held, Outcome.SUCCEEDED, result={"charged": 42})
+    still = backend.get("job:kept")
+    assert still is not None and still.token == held.token
+    assert [r.lease.token for r in backend.history(key="job:kept")] == [warm.token]
+    assert not [p.name for p in small_disk.rglob("*.tmp")]  # no partial file left behind
+    filler.unlink()
+    record = backend.release(held, Outcome.SUCCEEDED, result={"charged": 42})
+    assert record is not None
+    outcomes = [(r.lease.token, r.outcome) for r in backend.history(key="job:kept")]
+    assert outcomes == [(held.token, Outcome.SUCCEEDED), (warm.token, Outcome.FAILED)]
+    kept = backend.last_success("job:kept", "tasks.charge")
+    assert kept is not None and kept.result == {"charged": 42}
+    backend.close()

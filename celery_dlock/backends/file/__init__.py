@@ -175,16 +175,22 @@ class FileBackend(LockBackend):
         return Locked(self._local.get(), key, operation, self._read_floor)
 
     def _append(self, record: Record, segment: Segment, lease_json: str | None = None) -> None:
-        """Append ``record`` to the history through ``segment`` (``state.segment`` under a
-        key's flock), and keep it as its key's last success if it is one (``once``)."""
-        segment.append(record, lease_json)
+        """Keep ``record`` as its key's last success if it is one (``once``), then append it
+        to the history through ``segment`` (``state.segment`` under a key's flock): a
+        failure of either leaves no record of a release that did not happen."""
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
         if task_name is not None:
             self._write_success(record, task_name)
+        segment.append(record, lease_json)
 
     def _write_success(self, record: Record, task_name: str, *, first: bool = False) -> bool:
         path = history.success_path(self._success_dir, record.key, task_name)
-        return history.write_success(path, record, fsync=self.fsync, first=first)
+        try:
+            return history.write_success(path, record, fsync=self.fsync, first=first)
+        except OSError as exc:
+            raise BackendError(
+                f"cannot keep the success of {record.key!r}: {exc}", self.url
+            ) from exc
 
     def try_acquire(
         self,

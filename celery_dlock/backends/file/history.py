@@ -214,9 +214,13 @@ def write_success(path: str, record: Record, *, fsync: bool, first: bool = False
     data = json.dumps(record.to_dict(), ensure_ascii=False).encode("utf-8", "surrogatepass")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, data)
+        if os.write(fd, data) != len(data):
+            raise OSError(errno.ENOSPC, f"wrote part of {len(data)} bytes")
         if fsync or first:
             os.fsync(fd)
+    except OSError:
+        os.unlink(temporary)
+        raise
     finally:
         os.close(fd)
     if not first:
