@@ -67,10 +67,11 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
 
 #: Fewest acquisitions of a short run that means something: 700-2,500 alone on a 2-core
 #: machine for file and Postgres; the object stores take 3-5 ms a call (gcs 147-183 alone,
-#: 95 in a CI run, on the machine of 2026-11-26; s3 192 beside another torture run). Where a killed or paused holder's key stays held for its
-#: 3 s ttl (Redis, the pooled Postgres store) and a hot key is hit, most workers wait it out:
-#: on another 2-core machine, alone, single-node Redis made 157-472 acquisitions in 8 runs
-#: (4,152 without faults) and pgbouncer 133-368 in 4 (2026-11-26).
+#: 95 in a CI run, on the machine of 2026-11-26; s3 192 beside another torture run). Where
+#: a killed or paused holder's key stays held for its 3 s ttl (Redis, the pooled Postgres
+#: store) and a hot key is hit, most workers wait it out: on that machine, alone,
+#: single-node Redis made 157-472 acquisitions in 8 runs (4,152 without faults) and
+#: pgbouncer 133-368 in 4.
 ENOUGH = {
     "file": 500, "postgres": 500, "pgbouncer": 100, "redis": 100, "redis-cluster": 500,
     "s3": 50, "gcs": 50,
