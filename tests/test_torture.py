@@ -65,16 +65,15 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
     return done.returncode, json.loads(out.read_text()), output
 
 
-#: Fewest acquisitions of a short run that means something: 700-2,500 alone on a 2-core
-#: machine for file and Postgres; the object stores take 3-5 ms a call (gcs 147-183 alone,
-#: 95 in a CI run, on the machine of 2026-11-26; s3 192 beside another torture run). Where
-#: a killed or paused holder's key stays held for its 3 s ttl (Redis, the pooled Postgres
-#: store) and a hot key is hit, most workers wait it out: on that machine, alone,
-#: single-node Redis made 157-472 acquisitions in 8 runs (4,152 without faults) and
-#: pgbouncer 133-368 in 4.
+#: Fewest acquisitions of a short run that means something (700-2,500 alone on a 2-core
+#: machine for file and Postgres; the object stores take 3-5 ms a call). The run goes on
+#: without faults until it has them (``--at-least``): a loaded machine makes far fewer while
+#: its faults last, since a killed or paused holder's key stays held for its ttl (Redis made
+#: 89-472 in that time on the machine of 2026-11-26, 4,152 in as long without faults). Short
+#: of them still, the store stopped granting.
 ENOUGH = {
-    "file": 500, "postgres": 500, "pgbouncer": 100, "redis": 100, "redis-cluster": 500,
-    "s3": 50, "gcs": 50,
+    "file": 500, "postgres": 500, "pgbouncer": 300, "redis": 500, "redis-cluster": 500,
+    "s3": 100, "gcs": 100,
 }  # fmt: skip
 
 
@@ -83,7 +82,9 @@ ENOUGH = {
 )
 def test_short_run_keeps_every_invariant(store: str, tmp_path: Path) -> None:
     require(store)
-    code, [report], output = torture(tmp_path, "--store", store, "--short")
+    code, [report], output = torture(
+        tmp_path, "--store", store, "--short", "--at-least", str(ENOUGH[store])
+    )
     assert report["problems"] == [], output
     assert (report["violations"], code) == (0, 0), output
     assert report["acquisitions"] >= ENOUGH[store], output

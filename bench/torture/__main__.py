@@ -88,6 +88,13 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument(
         "--broken", action="store_true", help="use a lock that releases busy keys by key alone"
     )
+    parser.add_argument(
+        "--at-least",
+        type=int,
+        default=0,
+        help="acquisitions per store: after its faults, run on without faults until it has "
+        "made them, for at most --seconds more (0)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the reports here as JSON")
     parser.add_argument("--keep", type=Path, help="copy each run's logs into this directory")
@@ -124,6 +131,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
             wait=options.wait if options.wait is not None else TIMING.get(store, (3.0, 2.0))[1],
             hold=hold, ledger=options.ledger, broken=options.broken,
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
+            at_least=options.at_least,
             cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
             **{**common, **own.get(store, {})},  # type: ignore[arg-type]
         )

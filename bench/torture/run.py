@@ -56,6 +56,10 @@ class Settings:
     broken: bool = False
     seed: int = 0
     keep: Path | None = None  # keep the run's logs in this directory
+    #: Acquisitions a run must make: once its faults are over, it goes on without faults
+    #: until it has, for at most ``seconds`` more (a loaded machine makes fewer in the time
+    #: its faults take: a killed holder's key stays held for its ttl).
+    at_least: int = 0
 
 
 def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
@@ -142,12 +146,20 @@ def _run_workers(
         # Partitions last as long as the store takes to free a lease: let them all happen.
         chaos.join(settings.seconds + settings.partitions * FREE_LIMIT)
         time.sleep(max(0.0, deadline - time.monotonic()))
+        overtime = time.monotonic() + settings.seconds
+        while acquisitions(directory) < settings.at_least and time.monotonic() < overtime:
+            time.sleep(0.2)
     finally:
         chaos.stop()
         fleet.stop(timeout=settings.ttl + settings.wait + 15)
         if probe is not None:
             probe.close()
     return chaos
+
+
+def acquisitions(directory: Path) -> int:
+    """Acquisitions so far: the ``begin`` lines of every worker's log in ``directory``."""
+    return sum(path.read_bytes().count(b'"e":"begin"') for path in directory.glob("*.jsonl"))
 
 
 def torture(settings: Settings) -> Report:
