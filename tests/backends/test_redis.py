@@ -35,6 +35,7 @@ from celery_dlock import (
     Record,
 )
 from celery_dlock.backends import backend_from_url
+from celery_dlock.backends.base import AsyncStore
 from tests.backends.test_contract import KEYS
 from tests.support import eventually, force_release
 
@@ -399,6 +400,20 @@ def our_waiters(backend: RedisBackend) -> int | None:
     return len(waiting) or None
 
 
+def load_scripts(backend: RedisBackend, key: str = "job:warm") -> None:
+    """Open a connection and load the acquire and release scripts, by a lease of ``key``
+    (another test may have sent ``SCRIPT FLUSH``: a lost ``NOSCRIPT`` would be no lost
+    call)."""
+    warm = backend.try_acquire(key, holder(), None)
+    assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
+
+
+async def load_scripts_async(store: AsyncStore, key: str = "job:warm") -> None:
+    """``load_scripts`` on this event loop's connections, through the asyncio client."""
+    warm = await store.try_acquire(key, holder(), None)
+    assert warm is not None and await store.release(warm, Outcome.SUCCEEDED) is not None
+
+
 def acquire_losing_its_reply(
     backend: RedisBackend, lossy: CountingProxy, client: str, key: str, ttl: float | None
 ) -> Lease | None:
@@ -407,16 +422,14 @@ def acquire_losing_its_reply(
     ``SCRIPT FLUSH``: a lost ``NOSCRIPT`` would be no lost acquire), the reply to its first
     try lost."""
     if client == "blocking":
-        warm = backend.try_acquire("job:warm", holder(), None)
-        assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
+        load_scripts(backend)
         lossy.drop_next_reply()
         return backend.try_acquire(key, holder(), ttl)
     store = backend.async_store()
     assert store is not None
 
     async def acquire() -> Lease | None:  # connections are the loop's: one loop for all
-        warm = await store.try_acquire("job:warm", holder(), None)
-        assert warm is not None and await store.release(warm, Outcome.SUCCEEDED) is not None
+        await load_scripts_async(store)
         lossy.drop_next_reply()
         return await store.try_acquire(key, holder(), ttl)
 
@@ -504,16 +517,14 @@ def test_a_release_whose_reply_was_lost_while_the_key_changed_hands_returns_its_
     async def in_one_loop() -> tuple[Lease, Record | None]:
         store = backend.async_store()
         assert store is not None
-        warm = await store.try_acquire("job:handed", holder(), None)  # the scripts loaded
-        assert warm is not None and await store.release(warm, Outcome.SUCCEEDED) is not None
+        await load_scripts_async(store, "job:handed")
         lease = await store.try_acquire("job:handed", holder(), None)
         assert lease is not None
         lossy.drop_next_reply(then=next_holder)
         return lease, await store.release(lease, Outcome.SUCCEEDED)
 
     if client == "blocking":
-        warm = backend.try_acquire("job:handed", holder(), None)  # the scripts loaded
-        assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
+        load_scripts(backend, "job:handed")
         lease = backend.try_acquire("job:handed", holder(), None)
         assert lease is not None
         lossy.drop_next_reply(then=next_holder)
@@ -533,8 +544,7 @@ def test_a_release_whose_reply_was_lost_while_the_key_changed_hands_returns_its_
 def test_an_acquire_lost_beyond_retries_leaves_no_orphan(lossy: CountingProxy, prefix: str) -> None:
     backend = open_backend(prefix, via(lossy), retries=0)
     check = open_backend(prefix)
-    warm = backend.try_acquire("job:warm", holder(), None)  # the scripts loaded (see above)
-    assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
+    load_scripts(backend)
     lossy.drop_next_reply()
     with pytest.raises(BackendError) as raised:
         backend.try_acquire("job:orphan", holder(), None)
