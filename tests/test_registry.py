@@ -14,7 +14,7 @@ from celery_dlock import (
     backend_from_url,
     mask_url,
 )
-from celery_dlock.backends import BACKENDS
+from celery_dlock.backends import BACKENDS, backend_class
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 
@@ -107,6 +107,27 @@ def test_file_url_gives_a_file_backend(tmp_path: Path) -> None:
 def test_bad_file_urls_name_the_problem(url: str, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         backend_from_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "argument", "message"),
+    [
+        ("redis://cache:6379/0", "redis://cache:6379/0", "connection settings as a dict"),
+        ("s3://b/p", "s3://b/p", "takes a bucket's name, not 's3://b/p'"),
+        ("s3://b/p", "b/p", "takes a bucket's name, not 'b/p'"),
+        ("gs://b/p", "gs://b/p", "takes a bucket's name, not 'gs://b/p'"),
+        ("gs://b/p", "", "takes a bucket's name, not ''"),
+        ("file:///tmp/x", "file:///tmp/x", "needs an absolute directory"),
+    ],
+)
+def test_a_constructor_given_a_url_or_a_path_names_the_problem(
+    url: str, argument: str, message: str
+) -> None:
+    # The constructors take a bucket's name or driver settings; a URL is from_url's.
+    cls = backend_class(url)
+    with pytest.raises(ConfigurationError, match=message) as info:
+        cls(argument)
+    assert "from_url" in str(info.value) or "a URL looks like" in str(info.value)
 
 
 def test_option_override_must_be_known(tmp_path: Path) -> None:

@@ -73,6 +73,7 @@ from celery_dlock.backends.objectstore.store import (
     UnsureWrite,
     Written,
 )
+from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = [
@@ -125,6 +126,11 @@ class ObjectStoreBackend(LockBackend):
         gc_after: float = _DAY,
         clock: MonotonicClock | None = None,
     ) -> None:
+        if not isinstance(bucket, str) or not bucket or "/" in bucket or ":" in bucket:
+            raise ConfigurationError(
+                f"the {self.name} backend takes a bucket's name, not {bucket!r}"
+                f" (for a URL: {type(self).__name__}.from_url or backend_from_url)"
+            )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.gc_after = float(gc_after)

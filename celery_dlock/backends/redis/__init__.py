@@ -73,6 +73,7 @@ Install
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import Any, ClassVar
 
@@ -152,6 +153,11 @@ class RedisBackend(LockBackend):
         if history_maxlen < 1 or retries < 0:
             raise ConfigurationError(
                 f"history_maxlen must be >= 1 and retries >= 0, not {history_maxlen}, {retries}"
+            )
+        if not isinstance(connection, Mapping | None):
+            raise ConfigurationError(
+                f"RedisBackend takes redis-py connection settings as a dict, not {connection!r}"
+                " (for a URL: RedisBackend.from_url or backend_from_url)"
             )
         self.url = url
         settings = dict(connection or {})
