@@ -197,7 +197,10 @@ def test_misuse_is_refused(backend: MemoryBackend) -> None:
         ({"ttl": 0}, "ttl"),
         ({"ttl": -5}, "ttl"),
         ({"ttl": "60"}, "ttl"),
+        ({"ttl": float("inf")}, "up to 315360000 \\(ten years\\), or None"),
+        ({"ttl": float("nan")}, "ttl"),
         ({"wait": -1}, "wait"),
+        ({"wait": float("nan")}, "wait"),
         ({"wait": True}, "wait"),
     ],
 )

@@ -16,6 +16,7 @@ from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = [
+    "MAX_TTL",
     "AsyncStore",
     "Capabilities",
     "Check",
@@ -62,17 +63,26 @@ class Capabilities:
     server_clock: bool
 
 
+#: The longest ttl (ten years): beyond it a store's clock arithmetic overflows (Postgres
+#: intervals, a renewer's timer); a lease that should never expire has ttl None.
+MAX_TTL = 10 * 365 * 86400.0
+
+
 def validate_ttl(ttl: float | None) -> float | None:
     """``ttl`` as float seconds, or None for no expiry.
 
     Raises:
-        ConfigurationError: for zero or negative values; a zero TTL would delete the lock in
-            some stores and never expire it in others.
+        ConfigurationError: for zero or negative values (a zero TTL would delete the lock in
+            some stores and never expire it in others), NaN, infinity and more than
+            :data:`MAX_TTL`.
     """
     if ttl is None:
         return None
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
-        raise ConfigurationError(f"ttl must be a positive number of seconds or None, not {ttl!r}")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
+        raise ConfigurationError(
+            f"ttl must be a positive number of seconds up to {MAX_TTL:.0f} (ten years),"
+            f" or None for no expiry, not {ttl!r}"
+        )
     return float(ttl)
 
 

@@ -7,6 +7,7 @@ lives in one process) skip it with the reason; a missing server is handled by th
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from typing import TypeVar
 import pytest
 
 from celery_dlock import Holder, Lease, Lock, Outcome, Record
-from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.base import MAX_TTL, LockBackend
 from celery_dlock.errors import ConfigurationError
 from tests.backends.storecase import StoreCase
 from tests.support import eventually, force_release
@@ -111,8 +112,10 @@ def test_tokens_differ_per_acquisition_even_for_the_same_holder(backend: LockBac
     assert len(tokens) == 5
 
 
-def test_zero_or_negative_ttl_is_refused(backend: LockBackend) -> None:
-    for ttl in (0, -1.0):
+def test_zero_negative_infinite_or_overlong_ttl_is_refused(backend: LockBackend) -> None:
+    # Infinity and 1e12 s reached Postgres as "interval out of range", a store error that a
+    # LockedTask retries for ever, and killed a renewer's timer: refused before any I/O.
+    for ttl in (0, -1.0, math.nan, math.inf, 1e12, MAX_TTL + 1):
         with pytest.raises(ConfigurationError, match="ttl"):
             backend.try_acquire("job:ttl", holder(), ttl)
     assert backend.get("job:ttl") is None

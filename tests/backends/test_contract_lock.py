@@ -5,6 +5,7 @@ even where the first client's cache of what it wrote is stale."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -207,3 +208,16 @@ def test_metadata_is_stored_with_the_lease_and_its_record(store: StoreCase) -> N
     held = seen.get("job:meta:plain")
     assert held is not None and held.metadata is None
     plain.release()
+
+
+def test_a_lock_collected_while_held_frees_its_key_at_once(store: StoreCase) -> None:
+    """A Lock dropped while it holds its lease is released as abandoned when collected, on
+    stores that watch its session too (the watcher must not keep the Lock alive)."""
+    lock = Lock(store.backend, "job:dropped", holder=holder())
+    lease = lock.acquire()
+    with pytest.warns(ResourceWarning, match="job:dropped.*garbage-collected"):
+        del lock
+        gc.collect()
+    assert store.backend.get("job:dropped") is None
+    [record] = store.backend.history(key="job:dropped")
+    assert record.outcome is Outcome.ABANDONED and record.lease.token == lease.token
