@@ -11,6 +11,7 @@ restarts and packets dropped by nftables. Run one store alone with
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -106,6 +107,41 @@ def test_checker_reports_violations_of_a_broken_lock(tmp_path: Path) -> None:
     # The ledger refuses a stale fence once a newer one has read, so a stolen key no longer
     # loses an update; the overlaps and the grants out of fence order show the theft.
     assert any("began" in p or "granted" in p for p in report["problems"]), output
+
+
+def test_a_limit_holds_each_slot_alone_while_slots_of_a_key_are_held_at_once(
+    tmp_path: Path,
+) -> None:
+    """``--limit 3``: every worker takes ``Lock(limit=3)``; each slot ``key#i`` is then a
+    key to the ledger and the checker, through kills, a pause and a restart."""
+    require("redis")
+    code, [report], output = torture(
+        tmp_path, "--store", "redis", "--limit", "3", "--keys", "2", "--seconds", "6",
+        "--kills", "2", "--pauses", "1", "--restarts", "1", "--at-least", "300",
+        "--keep", str(tmp_path / "kept"),
+    )  # fmt: skip
+    assert report["problems"] == [], output
+    assert (report["violations"], code) == (0, 0), output
+    assert report["records_checked"] == report["acquisitions"] >= 300, output
+    sections: dict[str, dict[str, Any]] = {}
+    for log in (tmp_path / "kept").glob("*/*.jsonl"):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["e"] == "begin":
+                sections[entry["token"]] = entry
+            elif entry["e"] == "end" and entry["token"] in sections:
+                sections[entry["token"]]["until"] = entry["t"]
+    slots = {entry["key"] for entry in sections.values()}
+    assert len(slots) == 6 and all(key[-2:] in ("#0", "#1", "#2") for key in slots), slots
+    # Two slots of one key held at once: what a limit is for.
+    spans = sorted(
+        (entry["key"].rpartition("#")[0], entry["t"], entry["until"], entry["key"])
+        for entry in sections.values()
+        if "until" in entry
+    )
+    assert any(
+        a[0] == b[0] and a[3] != b[3] and b[1] < a[2] for a, b in itertools.pairwise(spans)
+    ), "no two slots of a key were ever held at once"
 
 
 #: Keepalives of the cut-off Postgres holders: the server ends their sessions in seconds.

@@ -95,6 +95,9 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
         help="acquisitions per store: after its faults, run on without faults until it has "
         "made them, for at most --seconds more (0)",
     )
+    parser.add_argument(
+        "--limit", type=int, default=1, help="holders per key at once, in slots key#i (1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the reports here as JSON")
     parser.add_argument("--keep", type=Path, help="copy each run's logs into this directory")
@@ -111,6 +114,8 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     networked = set(stores) & {"postgres", "redis"}
     if counts["partitions"] and networked and (reason := netns.unavailable()) is not None:
         parser.error(f"partitions: {reason} (or pass --partitions 0)")
+    if options.limit < 1 or (options.broken and options.limit > 1):
+        parser.error("--limit: a count >= 1, and 1 with --broken (its lock takes the key itself)")
     if options.diskfulls and (set(stores) - {"file"} or os.geteuid() != 0):
         parser.error("diskfulls: the file store alone, as root (it mounts a tmpfs)")
     common = {name: value for name, value in counts.items() if value is not None}
@@ -131,7 +136,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
             wait=options.wait if options.wait is not None else TIMING.get(store, (3.0, 2.0))[1],
             hold=hold, ledger=options.ledger, broken=options.broken,
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
-            at_least=options.at_least,
+            at_least=options.at_least, limit=options.limit,
             cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
             **{**common, **own.get(store, {})},  # type: ignore[arg-type]
         )

@@ -60,6 +60,9 @@ class Settings:
     #: until it has, for at most ``seconds`` more (a loaded machine makes fewer in the time
     #: its faults take: a killed holder's key stays held for its ttl).
     at_least: int = 0
+    #: Holders per key at once (``Lock(limit=...)``): each in a slot ``key#i`` of its own,
+    #: which the ledger and the checker treat as a key.
+    limit: int = 1
 
 
 def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
@@ -183,10 +186,11 @@ def torture(settings: Settings) -> Report:
         keys = [f"{prefix}{n}" for n in range(settings.keys)]
         spec = _ledger_spec(settings, directory, run_id)
         ledger = open_ledger(spec)
-        ledger.create(keys)
+        slots = [f"{key}#{n}" for key in keys for n in range(settings.limit)]
+        ledger.create(keys if settings.limit == 1 else slots)
         job = Job(
             url, spec, keys, settings.ttl, settings.wait, settings.hold, log="",
-            stop=str(directory / "stop"), broken=settings.broken,
+            stop=str(directory / "stop"), broken=settings.broken, limit=settings.limit,
         )  # fmt: skip
         cutoff = _cutoff(settings, store, job, network)
         began = time.monotonic()

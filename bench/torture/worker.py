@@ -58,6 +58,7 @@ class Job:
     stop: str
     broken: bool = False
     seed: int = 0
+    limit: int = 1  # holders per key at once, each in a slot ``key#i`` (the ledger's key)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -105,7 +106,7 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) 
     if job.broken:
         lock = StealingLock(backend, key, job.ttl, job.wait)
     else:
-        lock = Lock(backend, key, ttl=job.ttl, wait=job.wait)
+        lock = Lock(backend, key, ttl=job.ttl, wait=job.wait, limit=job.limit)
     try:
         lease = lock.acquire()
     except LockNotAcquiredError:  # LockTimeoutError included
@@ -115,6 +116,7 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) 
         log(e="store_error", where="acquire")
         time.sleep(random.uniform(0.05, 0.2))
         return
+    key = lease.key  # the slot taken, where a key has several
     log(e="begin", key=key, token=lease.token, fence=lease.fence, t=time.monotonic())
     counter: int | None = None
     accepted: bool | None = None
