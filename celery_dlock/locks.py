@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
-from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.base import LockBackend, Place
 from celery_dlock.errors import (
     BackendError,
     ConfigurationError,
@@ -103,35 +103,44 @@ class Locks:
             raise ConfigurationError(f"locks {self.key!r} are already held by this object")
         limit = self.wait if wait is DEFAULT else validate_wait(wait)
         deadline = None if limit is None else time.monotonic() + limit
-        while True:
-            busy = self._try_all()
-            if busy is None:
-                return self.leases
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise busy.busy_error(limit)
-            pause = POLL * random.uniform(0.5, 1.0)
-            place = self.backend.wait(
-                busy.key, pause if remaining is None else min(pause, remaining)
-            )
+        # The place in the store's queue of the busy key's waiters, kept until that key is
+        # tried again: left before the try, a waiter that had just released the key would
+        # let the next waiter have it, and that one the next (Postgres: a second's stall).
+        place: Place | None = None
+        try:
+            while True:
+                busy, place = self._try_all(place)
+                if busy is None:
+                    return self.leases
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise busy.busy_error(limit)
+                pause = POLL * random.uniform(0.5, 1.0)
+                pause = pause if remaining is None else min(pause, remaining)
+                place = self.backend.wait(busy.key, pause, place)  # another key's is left
+        finally:
             if place is not None:
-                place.leave()  # the whole set is tried again, in key order
+                place.leave()
 
-    def _try_all(self) -> Lock | None:
-        """One try at every key in order; the busy Lock (with nothing held), or None."""
+    def _try_all(self, place: Place | None) -> tuple[Lock | None, Place | None]:
+        """One try at every key in order, ``place`` given to its key's try: the busy Lock
+        (with nothing held), or None, and the place if it is still the caller's."""
         taken: list[Lock] = []
         try:
             for lock in self.locks:
-                if lock.attempt() is None:
+                mine = place if place is not None and place.key == lock.key else None
+                if lock.attempt(mine) is None:
                     why = f"{lock.key} of the same set was busy: released, to try the set again"
                     self._let_go(taken, Outcome.SKIPPED, "locked", why)
-                    return lock
+                    return lock, place
+                if mine is not None:
+                    place = None  # used up by the key it queued for
                 taken.append(lock)
         except BaseException as exc:
             problem, details = describe_exception(exc)
             self._let_go(taken, Outcome.FAILED, problem, details)
             raise
-        return None
+        return None, place
 
     @staticmethod
     def _let_go(taken: list[Lock], outcome: Outcome, problem: str, details: str | None) -> None:

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Lock, Outcome
+from celery_dlock import BackendError, ConfigurationError, Lock, Locks, Outcome
 from celery_dlock.backends.base import Place
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.backends.postgres.session import Queued
@@ -523,3 +523,46 @@ def test_a_releaser_lets_a_waiting_process_go_first(
     assert got and got[0] is not None
     held = releaser.get("job:polite")
     assert held is not None and held.token == got[0].token
+
+
+def test_a_set_waiter_keeps_its_place_though_it_released_the_key_last(
+    backends: Backends, admin: Any, schema: str
+) -> None:
+    """A ``Locks`` waiter woken first takes the key with its place in the queue, though it
+    released the key last while another waited (which makes its own tries yield to a
+    waiter for a second). Leaving its place before its try, it let the waiter behind go
+    first, and each woken set waiter the next: a second's stall per contended set."""
+    mine, other, third = backends(), backends(), backends()
+    key = "job:set:polite"
+    first = mine.try_acquire(key, holder(), None)
+    assert first is not None
+    taken: list[Any] = []
+
+    def take_as_other() -> None:
+        place = other.wait(key, 30)
+        taken.append(other.try_acquire(key, holder(), None, place=place))
+
+    thread = threading.Thread(target=take_as_other)
+    thread.start()
+    eventually(lambda: waiting_on(admin, schema, first.fence), "the other on the holder")
+    mine.release(first, Outcome.SUCCEEDED)  # while the other waited
+    thread.join(timeout=30)
+    [second] = taken
+    assert second is not None
+    got: dict[str, Any] = {}
+    locks, later = Locks(mine, [key], wait=30), Lock(third, key, wait=30)
+    set_thread = threading.Thread(target=lambda: got.setdefault("set", locks.acquire()))
+    set_thread.start()
+    eventually(lambda: waiting_on(admin, schema, second.fence), "the set on the new holder")
+    later_thread = threading.Thread(target=lambda: got.setdefault("later", later.acquire()))
+    later_thread.start()
+    eventually(lambda: queue_waiters(admin, schema, key) == (1, 1), "a later waiter behind")
+    other.release(second, Outcome.SUCCEEDED)
+    set_thread.join(timeout=30)
+    [lease] = got["set"]
+    current = mine.get(key)
+    assert current is not None and current.token == lease.token  # first come, first served
+    assert "later" not in got
+    locks.release()
+    later_thread.join(timeout=30)
+    assert later.release() is not None
