@@ -144,6 +144,31 @@ def test_a_limit_holds_each_slot_alone_while_slots_of_a_key_are_held_at_once(
     ), "no two slots of a key were ever held at once"
 
 
+def test_keys_taken_together_keep_every_invariant_per_key(tmp_path: Path) -> None:
+    """``--together 2``: each section takes two keys through ``celery_dlock.lock([...])``,
+    all or none, through kills and a pause; each lease is a section to the checker."""
+    code, [report], output = torture(
+        tmp_path, "--store", "file", "--together", "2", "--keys", "4", "--seconds", "5",
+        "--kills", "2", "--pauses", "1", "--at-least", "300", "--keep", str(tmp_path / "kept"),
+    )  # fmt: skip
+    assert report["problems"] == [], output
+    assert (report["violations"], code) == (0, 0), output
+    assert report["records_checked"] == report["acquisitions"] >= 300, output
+    held_together = []
+    for log in (tmp_path / "kept").glob("*/*.jsonl"):
+        begins: list[str] = []
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            if entry["e"] == "begin":
+                begins.append(entry["key"])
+            elif begins:
+                held_together.append(begins)
+                begins = []
+    # Every section held two distinct keys at once, taken in key order.
+    assert held_together, output
+    assert all(len(keys) == 2 and keys[0] < keys[1] for keys in held_together), held_together
+
+
 #: Keepalives of the cut-off Postgres holders: the server ends their sessions in seconds.
 QUICK_KEEPALIVES = (
     "keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=2000"

@@ -36,6 +36,17 @@ STORES = ("file", "postgres", "pgbouncer", "redis", "redis-cluster", "s3", "gcs"
 TIMING = {"s3": (1.0, 1.0), "gcs": (1.0, 1.0)}
 
 
+def _check_shape(parser: argparse.ArgumentParser, options: argparse.Namespace, keys: int) -> None:
+    """``--limit`` and ``--together``: counts, one at a time, not with ``--broken``, and no
+    more keys together than there are."""
+    if options.limit < 1 or (options.broken and options.limit > 1):
+        parser.error("--limit: a count >= 1, and 1 with --broken (its lock takes the key itself)")
+    if options.together < 1 or (options.together > 1 and (options.broken or options.limit > 1)):
+        parser.error("--together: a count >= 1, and 1 with --broken or --limit")
+    if options.together > keys:
+        parser.error(f"--together {options.together} needs as many keys, not {keys}")
+
+
 def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser = argparse.ArgumentParser(
         prog="python -m bench.torture",
@@ -98,6 +109,9 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument(
         "--limit", type=int, default=1, help="holders per key at once, in slots key#i (1)"
     )
+    parser.add_argument(
+        "--together", type=int, default=1, help="keys taken at once, all or none (1)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the reports here as JSON")
     parser.add_argument("--keep", type=Path, help="copy each run's logs into this directory")
@@ -114,8 +128,6 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     networked = set(stores) & {"postgres", "redis"}
     if counts["partitions"] and networked and (reason := netns.unavailable()) is not None:
         parser.error(f"partitions: {reason} (or pass --partitions 0)")
-    if options.limit < 1 or (options.broken and options.limit > 1):
-        parser.error("--limit: a count >= 1, and 1 with --broken (its lock takes the key itself)")
     if options.diskfulls and (set(stores) - {"file"} or os.geteuid() != 0):
         parser.error("diskfulls: the file store alone, as root (it mounts a tmpfs)")
     common = {name: value for name, value in counts.items() if value is not None}
@@ -124,6 +136,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     fulls = fulls if os.geteuid() == 0 else 0
     shape = {"keys": 8, "hold": 0.003, **(LONG_SHAPE if options.long else {})}
     keys = options.keys if options.keys is not None else int(shape["keys"])
+    _check_shape(parser, options, keys)
     hold = options.hold if options.hold is not None else float(shape["hold"])
     # The mode's seconds per store, where --seconds does not say.
     per_store = LONG_SECONDS if options.long else SHORT_SECONDS if options.short else {}
@@ -136,7 +149,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
             wait=options.wait if options.wait is not None else TIMING.get(store, (3.0, 2.0))[1],
             hold=hold, ledger=options.ledger, broken=options.broken,
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
-            at_least=options.at_least, limit=options.limit,
+            at_least=options.at_least, limit=options.limit, together=options.together,
             cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
             **{**common, **own.get(store, {})},  # type: ignore[arg-type]
         )

@@ -63,6 +63,8 @@ class Settings:
     #: Holders per key at once (``Lock(limit=...)``): each in a slot ``key#i`` of its own,
     #: which the ledger and the checker treat as a key.
     limit: int = 1
+    #: Keys taken at once, all or none (``celery_dlock.lock([...])``).
+    together: int = 1
 
 
 def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
@@ -191,6 +193,7 @@ def torture(settings: Settings) -> Report:
         job = Job(
             url, spec, keys, settings.ttl, settings.wait, settings.hold, log="",
             stop=str(directory / "stop"), broken=settings.broken, limit=settings.limit,
+            together=settings.together,
         )  # fmt: skip
         cutoff = _cutoff(settings, store, job, network)
         began = time.monotonic()

@@ -34,6 +34,7 @@ from celery_dlock import (
     Lock,
     LockBackend,
     LockNotAcquiredError,
+    Locks,
     Outcome,
     Record,
     backend_from_url,
@@ -59,6 +60,7 @@ class Job:
     broken: bool = False
     seed: int = 0
     limit: int = 1  # holders per key at once, each in a slot ``key#i`` (the ledger's key)
+    together: int = 1  # keys taken at once, all or none (``Locks``), each a section of its own
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -100,15 +102,19 @@ class Log:
         os.write(self.fd, (json.dumps(entry, separators=(",", ":")) + "\n").encode())
 
 
-def section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) -> None:
-    """One acquisition of ``key`` and its critical section."""
-    lock: Lock | StealingLock
+def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log: Log) -> None:
+    """One acquisition of ``keys`` (several: all or none, through :class:`Locks`) and its
+    critical section: each lease is a section of its own to the log, the ledger and the
+    checker, with the same span."""
+    lock: Lock | Locks | StealingLock
     if job.broken:
-        lock = StealingLock(backend, key, job.ttl, job.wait)
+        lock = StealingLock(backend, keys[0], job.ttl, job.wait)
+    elif len(keys) > 1:
+        lock = Locks(backend, keys, ttl=job.ttl, wait=job.wait)
     else:
-        lock = Lock(backend, key, ttl=job.ttl, wait=job.wait, limit=job.limit)
+        lock = Lock(backend, keys[0], ttl=job.ttl, wait=job.wait, limit=job.limit)
     try:
-        lease = lock.acquire()
+        taken = lock.acquire()
     except LockNotAcquiredError:  # LockTimeoutError included
         log(e="busy")
         return
@@ -116,22 +122,31 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) 
         log(e="store_error", where="acquire")
         time.sleep(random.uniform(0.05, 0.2))
         return
-    key = lease.key  # the slot taken, where a key has several
-    log(e="begin", key=key, token=lease.token, fence=lease.fence, t=time.monotonic())
-    counter: int | None = None
-    accepted: bool | None = None
+    leases = taken if isinstance(taken, list) else [taken]
+    for lease in leases:  # the key of a lease is the slot taken, where a key has several
+        log(e="begin", key=lease.key, token=lease.token, fence=lease.fence, t=time.monotonic())
+    read: dict[str, int | None] = {lease.token: None for lease in leases}
+    accepted: dict[str, bool | None] = dict.fromkeys(read)
     try:
-        counter = ledger.read(key, lease.fence)
+        for lease in leases:
+            read[lease.token] = ledger.read(lease.key, lease.fence)
         time.sleep(random.uniform(0, job.hold))
-        accepted = ledger.write(key, lease.fence, counter + 1)
+        for lease in leases:
+            counter = read[lease.token]
+            assert counter is not None
+            accepted[lease.token] = ledger.write(lease.key, lease.fence, counter + 1)
     except LedgerError:  # then the journal alone says whether the write landed
         log(e="ledger_error")
-    log(e="end", token=lease.token, read=counter, accepted=accepted, t=time.monotonic())
-    try:
-        release = "ok" if lock.release() is not None else "lost"
-    except BackendError:
-        release = "error"
-    log(e="rel", token=lease.token, release=release)
+    for lease in leases:
+        token = lease.token
+        log(e="end", token=token, read=read[token], accepted=accepted[token], t=time.monotonic())
+    # Locks.release, key by key, so that each lease's own release is logged.
+    for one, lease in zip(lock.locks if isinstance(lock, Locks) else [lock], leases, strict=True):
+        try:
+            release = "ok" if one.release() is not None else "lost"
+        except BackendError:
+            release = "error"
+        log(e="rel", token=lease.token, release=release)
 
 
 def main(argv: list[str]) -> int:
@@ -143,8 +158,10 @@ def main(argv: list[str]) -> int:
     log = Log(job.log)
     stop = Path(job.stop)
     while not stop.exists():
-        key = random.choices(job.keys, weights)[0]
-        section(job, backend, ledger, key, log)
+        keys = set()
+        while len(keys) < job.together:  # distinct keys, each chosen by its weight
+            keys.add(random.choices(job.keys, weights)[0])
+        section(job, backend, ledger, sorted(keys), log)
     ledger.close()
     backend.close()
     return 0
