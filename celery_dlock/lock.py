@@ -29,7 +29,7 @@ from celery_dlock.errors import (
 )
 from celery_dlock.events import fields
 from celery_dlock.keys import validate_key
-from celery_dlock.process import abandon, held, shared_backend, weakly
+from celery_dlock.process import abandon, held, shared_backend
 from celery_dlock.records import (
     Holder,
     Lease,
@@ -271,7 +271,7 @@ class Lock:
         if self.renew_in_background and self.ttl is not None:
             self._renewer = Renewer(self.backend, lease, self.ttl, self.on_lost).start()
         else:
-            self._unwatch = self.backend.watch(lease, weakly(self._session_lost))
+            self._unwatch = self.backend.watch(lease, self._session_lost)
 
     def __del__(self) -> None:
         # A Lock dropped while it holds its lease: release it, recorded as abandoned.

@@ -12,10 +12,7 @@ import atexit
 import logging
 import threading
 import warnings
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
 
 from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.base import LockBackend
@@ -24,7 +21,7 @@ from celery_dlock.errors import DLockError
 from celery_dlock.events import fields
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["abandon", "held", "release_all", "shared_backend", "weakly"]
+__all__ = ["abandon", "held", "release_all", "shared_backend"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -136,20 +133,6 @@ def abandon(token: str, why: str) -> Record | None:
     except DLockError as exc:
         logger.error("cannot release %s: %s", lease.key, exc, extra=extra)
         return None
-
-
-def weakly(method: Callable[[Any], None]) -> Callable[[Any], None]:
-    """``method`` (bound) as a callback that does not keep its object alive: a store's
-    watcher holds its callbacks, and a Lock it kept alive would never be collected, so a
-    Lock dropped while it holds its lease would keep the key until the process ends."""
-    ref = weakref.WeakMethod(method)
-
-    def call(arg: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(arg)
-
-    return call
 
 
 def _at_exit() -> None:

@@ -5,6 +5,7 @@ takeover, and URL options."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import threading
 import time
@@ -26,6 +27,7 @@ __all__ = [
     "retried_details",
     "url_options",
     "wall_clock",
+    "weakly",
 ]
 
 T = TypeVar("T")
@@ -109,6 +111,22 @@ class LoopLocal(Generic[T]):
         """The objects of this process's loops that are still alive."""
         pid = os.getpid()
         return [value for owner, value in list(self._made.values()) if owner == pid]
+
+
+def weakly(callback: Callable[[Lease], None]) -> Callable[[Lease], None]:
+    """``callback`` as a store's watcher keeps it: a bound method (a ``Lock``'s) without
+    keeping its object alive, so that a Lock dropped while it holds its lease is collected
+    and its lease released (``Lock.__del__``), not kept until the process ends."""
+    if not inspect.ismethod(callback):
+        return callback
+    ref = weakref.WeakMethod(callback)
+
+    def call(lease: Lease) -> None:
+        method = ref()
+        if method is not None:
+            method(lease)
+
+    return call
 
 
 def expired(lease: Lease, now: float) -> bool:

@@ -29,7 +29,7 @@ from typing import Any
 import psycopg
 
 from celery_dlock.backends.base import Place, validate_ttl
-from celery_dlock.backends.common import LoopLocal, ProcessLocal, retried_details
+from celery_dlock.backends.common import LoopLocal, ProcessLocal, retried_details, weakly
 from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
@@ -463,7 +463,7 @@ class AsyncPostgres:
         """``Client.watch`` for a lease of this loop's session, by a task of the loop."""
         state = self._loop()
         fence = lease.fence
-        state.watched[fence] = (lease, on_lost)
+        state.watched[fence] = (lease, weakly(on_lost))
         if state.watcher is None:
             state.watcher = asyncio.get_running_loop().create_task(state.watch())
 

@@ -28,6 +28,7 @@ import psycopg
 from psycopg.pq import ConnStatus
 
 from celery_dlock.backends.base import Place
+from celery_dlock.backends.common import weakly
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
 from celery_dlock.backends.postgres.prepared import PreparedStatements
@@ -226,7 +227,7 @@ class Client:
         Returns the function that stops watching."""
         fence = lease.fence
         with self._watch_mutex:
-            self._watched[fence] = (lease, on_lost)
+            self._watched[fence] = (lease, weakly(on_lost))
             if self._watcher is None:
                 self._watcher = threading.Thread(
                     target=self._watch, name="celery_dlock session watcher", daemon=True
