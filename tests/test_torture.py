@@ -169,6 +169,26 @@ def test_keys_taken_together_keep_every_invariant_per_key(tmp_path: Path) -> Non
     assert all(len(keys) == 2 and keys[0] < keys[1] for keys in held_together), held_together
 
 
+def test_asyncio_workers_keep_every_invariant(tmp_path: Path) -> None:
+    """``--asyncio``: the workers take their keys through ``AsyncLock`` on an event loop,
+    on the Postgres store's asyncio client (its own lock sessions, watched by a task of the
+    loop), through kills, a pause and a restart."""
+    require("postgres")
+    code, [report], output = torture(
+        tmp_path, "--store", "postgres", "--asyncio", "--seconds", "6", "--kills", "4",
+        "--pauses", "1", "--restarts", "1", "--at-least", "300", "--keep", str(tmp_path / "kept"),
+    )  # fmt: skip
+    assert report["problems"] == [], output
+    assert (report["violations"], code) == (0, 0), output
+    assert report["records_checked"] == report["acquisitions"] >= 300, output
+    assert report["restarts"] == 1 and report["killed_in_section"] >= 1, output
+    starts = [
+        json.loads(log.read_text().splitlines()[0])
+        for log in (tmp_path / "kept").glob("*/w*.jsonl")
+    ]
+    assert starts and all(s["e"] == "start" and s["asyncio"] for s in starts), starts
+
+
 #: Keepalives of the cut-off Postgres holders: the server ends their sessions in seconds.
 QUICK_KEEPALIVES = (
     "keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=2000"

@@ -5,7 +5,8 @@
         [--workers 16] [--keys 8] [--seconds S] [--kills N] [--pauses N] [--restarts N]
         [--partitions N] [--diskfulls N] [--cut-off 2] [--cut-off-options QUERY]
         [--ttl 3] [--wait 2] [--hold 0.003] [--ledger file|postgres] [--broken]
-        [--at-least N] [--limit N] [--together N] [--json PATH] [--keep DIR]
+        [--at-least N] [--limit N] [--together N]
+        [--asyncio] [--json PATH] [--keep DIR]
     python -m bench.torture.soak [--short] [--tasks 50000] [--kills 20] ...
 
 For each store: a private server on a free port (``servers.py``: never the shared PostgreSQL
@@ -23,7 +24,9 @@ once, each in a slot ``key#i`` with its own lease and fence; the ledger and the 
 treat each slot as a key (one holder at a time, fences rising, every lease recorded).
 ``--together N``: each section takes N distinct keys at once, all or none
 (``celery_dlock.lock([...])``, in key order), writes each key's ledger entry with that key's
-fence and releases them; each lease is a section of its own to the checker.
+fence and releases them; each lease is a section of its own to the checker. ``--asyncio``:
+the workers take their key through ``AsyncLock`` on an event loop (the store's asyncio
+client where it has one: Postgres, Redis; renewal as a task of the loop).
 
 ``--partitions N`` (Postgres and Redis; root, ``ip`` and ``nft``): ``--cut-off`` more workers
 run in a network namespace joined to the host by a veth pair (``netns.py``), reaching the

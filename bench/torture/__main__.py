@@ -43,6 +43,8 @@ def _check_shape(parser: argparse.ArgumentParser, options: argparse.Namespace, k
         parser.error("--limit: a count >= 1, and 1 with --broken (its lock takes the key itself)")
     if options.together < 1 or (options.together > 1 and (options.broken or options.limit > 1)):
         parser.error("--together: a count >= 1, and 1 with --broken or --limit")
+    if options.asyncio and (options.broken or options.together > 1):
+        parser.error("--asyncio: a key at a time (AsyncLock), not with --broken or --together")
     if options.together > keys:
         parser.error(f"--together {options.together} needs as many keys, not {keys}")
 
@@ -112,6 +114,9 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument(
         "--together", type=int, default=1, help="keys taken at once, all or none (1)"
     )
+    parser.add_argument(
+        "--asyncio", action="store_true", help="the workers use AsyncLock on an event loop"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the reports here as JSON")
     parser.add_argument("--keep", type=Path, help="copy each run's logs into this directory")
@@ -150,6 +155,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
             hold=hold, ledger=options.ledger, broken=options.broken,
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
             at_least=options.at_least, limit=options.limit, together=options.together,
+            asyncio=options.asyncio,
             cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
             **{**common, **own.get(store, {})},  # type: ignore[arg-type]
         )

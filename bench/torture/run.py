@@ -65,6 +65,8 @@ class Settings:
     limit: int = 1
     #: Keys taken at once, all or none (``celery_dlock.lock([...])``).
     together: int = 1
+    #: The workers take their keys through ``AsyncLock`` on an event loop.
+    asyncio: bool = False
 
 
 def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
@@ -193,7 +195,7 @@ def torture(settings: Settings) -> Report:
         job = Job(
             url, spec, keys, settings.ttl, settings.wait, settings.hold, log="",
             stop=str(directory / "stop"), broken=settings.broken, limit=settings.limit,
-            together=settings.together,
+            together=settings.together, asyncio=settings.asyncio,
         )  # fmt: skip
         cutoff = _cutoff(settings, store, job, network)
         began = time.monotonic()

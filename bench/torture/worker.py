@@ -19,6 +19,7 @@ release. Every step that the checker needs goes to this process's own log, one J
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_dlock import (
+    AsyncLock,
     BackendError,
     Lease,
     Lock,
@@ -61,6 +63,7 @@ class Job:
     seed: int = 0
     limit: int = 1  # holders per key at once, each in a slot ``key#i`` (the ledger's key)
     together: int = 1  # keys taken at once, all or none (``Locks``), each a section of its own
+    asyncio: bool = False  # through AsyncLock on an event loop
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -115,14 +118,49 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log
         lock = Lock(backend, keys[0], ttl=job.ttl, wait=job.wait, limit=job.limit)
     try:
         taken = lock.acquire()
-    except LockNotAcquiredError:  # LockTimeoutError included
-        log(e="busy")
-        return
-    except BackendError:
-        log(e="store_error", where="acquire")
-        time.sleep(random.uniform(0.05, 0.2))
+    except (LockNotAcquiredError, BackendError) as exc:  # LockTimeoutError included
+        not_taken(exc, log)
         return
     leases = taken if isinstance(taken, list) else [taken]
+    write(job, ledger, leases, log)
+    # Locks.release, key by key, so that each lease's own release is logged.
+    for one, lease in zip(lock.locks if isinstance(lock, Locks) else [lock], leases, strict=True):
+        try:
+            release = "ok" if one.release() is not None else "lost"
+        except BackendError:
+            release = "error"
+        log(e="rel", token=lease.token, release=release)
+
+
+async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) -> None:
+    """``section`` through :class:`AsyncLock` (the store's asyncio client where it has one,
+    renewal as a task of the loop); the ledger's calls block the loop for their moment."""
+    lock = AsyncLock(backend, key, ttl=job.ttl, wait=job.wait, limit=job.limit)
+    try:
+        lease = await lock.acquire()
+    except (LockNotAcquiredError, BackendError) as exc:
+        not_taken(exc, log)
+        await asyncio.sleep(0)  # let the loop run what the failed try left to it
+        return
+    write(job, ledger, [lease], log)
+    try:
+        release = "ok" if await lock.release() is not None else "lost"
+    except BackendError:
+        release = "error"
+    log(e="rel", token=lease.token, release=release)
+
+
+def not_taken(exc: Exception, log: Log) -> None:
+    if isinstance(exc, LockNotAcquiredError):
+        log(e="busy")
+    else:
+        log(e="store_error", where="acquire")
+        time.sleep(random.uniform(0.05, 0.2))
+
+
+def write(job: Job, ledger: Ledger, leases: list[Lease], log: Log) -> None:
+    """The critical section of ``leases``: read each key's counter, hold, write each + 1
+    with its lease's fence; logged ``begin`` and ``end`` per lease."""
     for lease in leases:  # the key of a lease is the slot taken, where a key has several
         log(e="begin", key=lease.key, token=lease.token, fence=lease.fence, t=time.monotonic())
     read: dict[str, int | None] = {lease.token: None for lease in leases}
@@ -140,13 +178,6 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log
     for lease in leases:
         token = lease.token
         log(e="end", token=token, read=read[token], accepted=accepted[token], t=time.monotonic())
-    # Locks.release, key by key, so that each lease's own release is logged.
-    for one, lease in zip(lock.locks if isinstance(lock, Locks) else [lock], leases, strict=True):
-        try:
-            release = "ok" if one.release() is not None else "lost"
-        except BackendError:
-            release = "error"
-        log(e="rel", token=lease.token, release=release)
 
 
 def main(argv: list[str]) -> int:
@@ -157,11 +188,23 @@ def main(argv: list[str]) -> int:
     ledger = open_ledger(job.ledger)
     log = Log(job.log)
     stop = Path(job.stop)
-    while not stop.exists():
+
+    def pick() -> list[str]:
         keys = set()
         while len(keys) < job.together:  # distinct keys, each chosen by its weight
             keys.add(random.choices(job.keys, weights)[0])
-        section(job, backend, ledger, sorted(keys), log)
+        return sorted(keys)
+
+    async def run_async() -> None:
+        while not stop.exists():
+            await async_section(job, backend, ledger, pick()[0], log)
+
+    log(e="start", pid=os.getpid(), asyncio=job.asyncio)
+    if job.asyncio:
+        asyncio.run(run_async())
+    else:
+        while not stop.exists():
+            section(job, backend, ledger, pick(), log)
     ledger.close()
     backend.close()
     return 0
