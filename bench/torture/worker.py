@@ -2,10 +2,13 @@
 
 Until the stop file exists: pick a key (hot spots: key ``i`` is chosen with weight
 ``1 / (i + 1)``), take it through the public :class:`celery_dlock.Lock` (``ttl`` and ``wait``
-set), read the ledger's counter, hold for a moment, write counter + 1 with the lease's fence,
-release. Every step that the checker needs goes to this process's own log, one JSON line per
-``write`` on an ``O_APPEND`` descriptor, so a SIGKILL leaves whole lines:
+set; ``limit``: one of its slots; ``together``: that many keys through :class:`Locks`;
+``asyncio``: :class:`AsyncLock` on an event loop), read the ledger's counter, hold for a
+moment, write counter + 1 with the lease's fence, release. Every step that the checker needs
+goes to this process's own log, one JSON line per ``write`` on an ``O_APPEND`` descriptor, so
+a SIGKILL leaves whole lines (each lease of a set its own):
 
+- ``{"e": "start", "pid", "asyncio"}`` first;
 - ``{"e": "begin", "key", "token", "fence", "t"}`` once the lease is held;
 - ``{"e": "end", "token", "read", "accepted", "t"}`` just before the release;
 - ``{"e": "rel", "token", "release"}`` after it: ``ok``, ``lost`` (the release found the lease
@@ -151,6 +154,8 @@ async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str
 
 
 def not_taken(exc: Exception, log: Log) -> None:
+    """Log an acquisition that failed: the key busy past ``wait``, or the store failing
+    (then a short pause, as a client backing off)."""
     if isinstance(exc, LockNotAcquiredError):
         log(e="busy")
     else:
