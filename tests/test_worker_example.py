@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from decimal import Decimal
@@ -17,16 +18,28 @@ from tests.support import unavailable
 ROOT = Path(__file__).parent.parent
 
 
+def run_demo(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """The demo, in a session of its own: past the timeout its worker and beat are killed
+    with it (a demo killed alone left its beat running for good)."""
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        message = f"the demo ran past 240 s:\n{stdout[-4000:]}{stderr[-2000:]}"
+        raise AssertionError(message) from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 @pytest.mark.slow
 def test_the_demo_charges_every_order_exactly_once(tmp_path: Path) -> None:
     pytest.importorskip("celery")
-    result = subprocess.run(
-        [sys.executable, "-m", "worker_example.demo", "--data", str(tmp_path / "demo")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
+    result = run_demo(
+        [sys.executable, "-m", "worker_example.demo", "--data", str(tmp_path / "demo")]
     )
     output = result.stdout
     assert result.returncode == 0, output + result.stderr
@@ -50,14 +63,7 @@ def test_the_demo_on_postgres_keeps_each_success_in_the_charges_transaction(
     url = "postgresql://postgres@127.0.0.1:5432/test"
     _ledgers(tmp_path)  # Postgres is there (or a visible skip)
     demo = [sys.executable, "-m", "worker_example.demo", "--data", str(tmp_path / "demo")]
-    result = subprocess.run(
-        [*demo, "--postgres", url],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    result = run_demo([*demo, "--postgres", url])
     output = result.stdout
     schema = re.search(r"in schema (demo_[0-9a-f]+)", output)
     if schema is not None:

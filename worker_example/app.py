@@ -21,6 +21,7 @@ from celery import Celery
 from celery.schedules import crontab
 
 from celery_dlock import install
+from worker_example.broker import SCHEME
 
 DATA = Path(os.environ.get("DLOCK_EXAMPLE_DATA", "demo-data")).absolute()
 
@@ -43,7 +44,8 @@ def _embedded_broker() -> dict[str, object]:
 app = Celery("worker_example", include=["worker_example.tasks"])
 broker = os.environ.get("DLOCK_EXAMPLE_BROKER", "filesystem://")
 app.conf.update(
-    broker_url=broker,
+    # filesystem://: kombu's, its message files written whole (worker_example.broker).
+    broker_url=f"{SCHEME}://" if broker == "filesystem://" else broker,
     broker_transport_options=_embedded_broker() if broker == "filesystem://" else {},
     result_backend=os.environ.get("DLOCK_EXAMPLE_RESULTS", f"file://{DATA}/results"),
     dlock_backend=os.environ.get("DLOCK_EXAMPLE_LOCKS", f"file://{DATA}/locks"),
