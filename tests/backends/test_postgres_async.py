@@ -157,11 +157,14 @@ def test_no_fence_is_given_twice_when_the_server_fails_over_under_a_loops_sessio
     async def scenario() -> tuple[list[int], int]:
         async with AsyncLock(backend, "job:pg-aio:kept"):
             pass  # a grant the standby has
-        lost = [await AsyncLock(backend, f"job:pg-aio:lost:{n}").acquire() for n in range(2)]
-        fences = [lease.fence for lease in lost]
+        locks = [AsyncLock(backend, f"job:pg-aio:lost:{n}") for n in range(2)]
+        fences = [(await lock.acquire()).fence for lock in locks]
         promote_a_standby_without(admin, schema, fences)
         async with AsyncLock(backend, "job:pg-aio:fresh") as lease:
-            return fences, lease.fence
+            fresh = lease.fence
+        for lock in locks:  # their grants went with the old primary
+            assert await lock.release() is None
+        return fences, fresh
 
     fences, fence = asyncio.run(scenario())
     assert fence > max(fences), (fences, fence)
