@@ -109,24 +109,34 @@ def test_checker_reports_violations_of_a_broken_lock(tmp_path: Path) -> None:
     assert any("began" in p or "granted" in p for p in report["problems"]), output
 
 
+def kept_run(tmp_path: Path, *args: str) -> tuple[dict[str, Any], str, list[list[Any]]]:
+    """A run of ``args`` with at least 300 acquisitions that kept every invariant: its
+    report, its output and each worker's log entries (the run's logs kept)."""
+    kept = tmp_path / "kept"
+    code, [report], output = torture(tmp_path, *args, "--at-least", "300", "--keep", str(kept))
+    assert report["problems"] == [], output
+    assert (report["violations"], code) == (0, 0), output
+    assert report["records_checked"] == report["acquisitions"] >= 300, output
+    logs = [
+        [json.loads(line) for line in log.read_text().splitlines()]
+        for log in kept.glob("*/w*.jsonl")
+    ]
+    return report, output, logs
+
+
 def test_a_limit_holds_each_slot_alone_while_slots_of_a_key_are_held_at_once(
     tmp_path: Path,
 ) -> None:
     """``--limit 3``: every worker takes ``Lock(limit=3)``; each slot ``key#i`` is then a
     key to the ledger and the checker, through kills, a pause and a restart."""
     require("redis")
-    code, [report], output = torture(
+    _, _, logs = kept_run(
         tmp_path, "--store", "redis", "--limit", "3", "--keys", "2", "--seconds", "6",
-        "--kills", "2", "--pauses", "1", "--restarts", "1", "--at-least", "300",
-        "--keep", str(tmp_path / "kept"),
+        "--kills", "2", "--pauses", "1", "--restarts", "1",
     )  # fmt: skip
-    assert report["problems"] == [], output
-    assert (report["violations"], code) == (0, 0), output
-    assert report["records_checked"] == report["acquisitions"] >= 300, output
     sections: dict[str, dict[str, Any]] = {}
-    for log in (tmp_path / "kept").glob("*/*.jsonl"):
-        for line in log.read_text().splitlines():
-            entry = json.loads(line)
+    for log in logs:
+        for entry in log:
             if entry["e"] == "begin":
                 sections[entry["token"]] = entry
             elif entry["e"] == "end" and entry["token"] in sections:
@@ -147,18 +157,14 @@ def test_a_limit_holds_each_slot_alone_while_slots_of_a_key_are_held_at_once(
 def test_keys_taken_together_keep_every_invariant_per_key(tmp_path: Path) -> None:
     """``--together 2``: each section takes two keys through ``celery_dlock.lock([...])``,
     all or none, through kills and a pause; each lease is a section to the checker."""
-    code, [report], output = torture(
+    _, output, logs = kept_run(
         tmp_path, "--store", "file", "--together", "2", "--keys", "4", "--seconds", "5",
-        "--kills", "2", "--pauses", "1", "--at-least", "300", "--keep", str(tmp_path / "kept"),
+        "--kills", "2", "--pauses", "1",
     )  # fmt: skip
-    assert report["problems"] == [], output
-    assert (report["violations"], code) == (0, 0), output
-    assert report["records_checked"] == report["acquisitions"] >= 300, output
     held_together = []
-    for log in (tmp_path / "kept").glob("*/*.jsonl"):
+    for log in logs:
         begins: list[str] = []
-        for line in log.read_text().splitlines():
-            entry = json.loads(line)
+        for entry in log:
             if entry["e"] == "begin":
                 begins.append(entry["key"])
             elif begins:
@@ -174,18 +180,12 @@ def test_asyncio_workers_keep_every_invariant(tmp_path: Path) -> None:
     on the Postgres store's asyncio client (its own lock sessions, watched by a task of the
     loop), through kills, a pause and a restart."""
     require("postgres")
-    code, [report], output = torture(
+    report, output, logs = kept_run(
         tmp_path, "--store", "postgres", "--asyncio", "--seconds", "6", "--kills", "4",
-        "--pauses", "1", "--restarts", "1", "--at-least", "300", "--keep", str(tmp_path / "kept"),
+        "--pauses", "1", "--restarts", "1",
     )  # fmt: skip
-    assert report["problems"] == [], output
-    assert (report["violations"], code) == (0, 0), output
-    assert report["records_checked"] == report["acquisitions"] >= 300, output
     assert report["restarts"] == 1 and report["killed_in_section"] >= 1, output
-    starts = [
-        json.loads(log.read_text().splitlines()[0])
-        for log in (tmp_path / "kept").glob("*/w*.jsonl")
-    ]
+    starts = [log[0] for log in logs]
     assert starts and all(s["e"] == "start" and s["asyncio"] for s in starts), starts
 
 
