@@ -352,12 +352,14 @@ def _view(url: str) -> ObjectStoreBackend:
     return made
 
 
-def _unwritten(backend: ObjectStoreBackend, key: str, ended_by: str) -> tuple[str, Lease | None]:
+def _unwritten(
+    backend: ObjectStoreBackend, key: str, ended_by: str, taker_ttl: float | None = None
+) -> tuple[str, Lease | None]:
     """End a lease on ``key`` with every history write failing, as a writer killed between
     its swap and its copy to history leaves it: by a release (the key is then free) or by
     the takeover of a lease whose holder died (abandoned here; the taker then holds the
-    key, for 1 s). The token of the record now only in the lock object's ``ended``, and
-    the taker's lease."""
+    key, for ``taker_ttl``). The token of the record now only in the lock object's
+    ``ended``, and the taker's lease."""
     recording = Recording(backend.store(), fail_creates_under=backend.layout.history)
     backend.objects.store = lambda: recording
     taker = None
@@ -368,7 +370,7 @@ def _unwritten(backend: ObjectStoreBackend, key: str, ended_by: str) -> tuple[st
     else:
         lease = backend.try_acquire(key, holder(), 1.0)
         assert lease is not None
-        taker = eventually(lambda: backend.try_acquire(key, holder(), 1.0), "takeover")
+        taker = eventually(lambda: backend.try_acquire(key, holder(), taker_ttl), "takeover")
     recording.fail_creates_under = None
     return lease.token, taker
 
@@ -384,10 +386,13 @@ def test_a_record_missing_from_history_is_copied_before_a_swap_replaces_it(
     # object by its taker, was replaced by the next record before it reached history.
     key = f"job:{ended_by}-{replaced_by}"
     first, second = _view(object_url), _view(object_url)
-    token, lease = _unwritten(first, key, ended_by)
+    # A taker released below holds for good: a 1 s lease could expire under load before
+    # its release (seen in CI); one taken over below must expire.
+    taker_ttl = 1.0 if replaced_by == "takeover" else None
+    token, lease = _unwritten(first, key, ended_by, taker_ttl)
     assert token not in [r.lease.token for r in second.history(key=key, limit=None)]
     if lease is None:  # free: another process takes the key
-        lease = second.try_acquire(key, holder(), 1.0 if replaced_by == "takeover" else None)
+        lease = second.try_acquire(key, holder(), taker_ttl)
         assert lease is not None
         owner = second
     else:  # held by the taker
