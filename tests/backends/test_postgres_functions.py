@@ -15,6 +15,7 @@ import psycopg
 import pytest
 
 from celery_dlock import Lock, Outcome
+from celery_dlock.backends.base import MAX_TTL
 from celery_dlock.backends.postgres import PostgresBackend
 from tests.backends.stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
 from tests.support import eventually
@@ -179,8 +180,15 @@ def test_release_refuses_an_outcome_that_is_not_a_callers(
         ).fetchall()
         with pytest.raises(psycopg.errors.InvalidParameterValue, match="outcome must be one of"):
             conn.execute(f"SELECT {schema}.release('job:x', %s, 'expired')", (token,))
-        with pytest.raises(psycopg.errors.InvalidParameterValue, match="ttl must be"):
-            conn.execute(f"SELECT * FROM {schema}.acquire('job:y', 'test', -1)")
+        for ttl in ["-1", "0", "'NaN'", "'infinity'", f"{MAX_TTL + 1}"]:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match="ttl must be"):
+                conn.execute(f"SELECT * FROM {schema}.acquire('job:y', 'test', {ttl})")
+        [(longest, _)] = conn.execute(
+            f"SELECT * FROM {schema}.acquire('job:y', 'test', {MAX_TTL})"
+        ).fetchall()
+        assert conn.execute(f"SELECT {schema}.release('job:y', %s)", (longest,)).fetchone() == (
+            "succeeded",
+        )
         assert conn.execute(f"SELECT {schema}.release('job:x', %s)", (token,)).fetchone() == (
             "succeeded",
         )

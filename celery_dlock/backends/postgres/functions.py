@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+from celery_dlock.backends.base import MAX_TTL
 from celery_dlock.backends.postgres.statements import HANDED_OVER, Statements
 from celery_dlock.records import Outcome
 
@@ -77,8 +78,9 @@ BEGIN
   IF p_key IS NULL OR p_key = '' OR p_holder IS NULL THEN
     RAISE EXCEPTION 'acquire needs a key and a holder' USING ERRCODE = '22004';
   END IF;
-  IF p_ttl IS NOT NULL AND NOT (p_ttl > 0 AND p_ttl < 'infinity'::float8) THEN
-    RAISE EXCEPTION 'ttl must be seconds > 0 or NULL, not %', p_ttl USING ERRCODE = '22023';
+  IF p_ttl IS NOT NULL AND NOT (p_ttl > 0 AND p_ttl <= {MAX_TTL:.0f}) THEN
+    RAISE EXCEPTION 'ttl must be seconds > 0 up to {MAX_TTL:.0f} (ten years) or NULL, not %',
+      p_ttl USING ERRCODE = '22023';
   END IF;
   IF NOT EXISTS (SELECT FROM {n.guard}) THEN  -- after a crash: fences move up first
 {guard}
