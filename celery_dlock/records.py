@@ -470,6 +470,15 @@ def describe_exception(exc: BaseException) -> tuple[str, str]:
     problem = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
     lines = traceback.format_exception(kind, exc, exc.__traceback__)
     text = "".join(truncate_utf8(line, _LINE_LIMIT) for line in lines)
-    message = truncate_utf8(str(exc), _MESSAGE_LIMIT)
+    message = truncate_utf8(_message(exc), _MESSAGE_LIMIT)
     details = f"{message}\n{text}" if message else text
     return problem, truncate_utf8(details.rstrip("\n"))
+
+
+def _message(exc: BaseException) -> str:
+    """``str(exc)``, or a note saying it failed: a broken ``__str__`` must not keep a lease
+    from being released and recorded (``traceback`` guards its own call the same way)."""
+    try:
+        return str(exc)
+    except Exception as failed:
+        return f"<str() of the exception failed: {type(failed).__name__}>"

@@ -153,3 +153,22 @@ def test_lock_metadata_of_the_tasks_arguments_is_stored_with_lease_and_record(
     assert seen["metadata"] == {"amount": 1999, "currency": "USD"}  # on the lease, in the body
     [record] = store.history(key=f"job:order:{run}")
     assert record.lease.metadata == {"amount": 1999, "currency": "USD"}
+
+
+@pytest.mark.usefixtures("app")
+def test_an_exception_whose_str_fails_is_still_recorded_and_its_key_freed(
+    store: MemoryBackend,
+) -> None:
+    # Found by trying the API: the release described the exception with str(exc), which
+    # raised, so the lease stayed held (no ttl) until the worker child went.
+    run = new_run()
+    with pytest.raises(tasks.GatewayError):
+        tasks.unprintable.delay(run).get(timeout=10)
+    key = f"job:unprintable:{run}"
+    assert store.get(key) is None
+    [record] = store.history(key=key)
+    assert record.outcome is Outcome.FAILED
+    assert record.problem == "tests.celery.embedded_tasks.GatewayError"
+    assert record.details is not None
+    assert "str() of the exception failed: KeyError" in record.details
+    assert "Traceback" in record.details
