@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from celery.exceptions import Ignore, TaskRevokedError
+from kombu.utils import json as kombu_json
 
 from celery_dlock.events import fields
 from celery_dlock.records import Outcome
@@ -32,20 +33,27 @@ def outcome_of(exc: BaseException) -> Outcome:
 
 def stored_result(task_name: str, result: Any) -> dict[str, Any]:
     """What a ``once`` success keeps for replays: ``{"value": result}`` (never None, so the
-    store keeps it as the key's last success even when the task returned None)."""
+    store keeps it as the key's last success even when the task returned None), in kombu's
+    JSON, as Celery's ``json`` serializer sends it: a ``Decimal``, ``datetime``, ``UUID`` or
+    ``bytes`` is kept tagged, and replayed as that type (:func:`replayed`)."""
     try:
-        json.dumps(result)
-    except (TypeError, ValueError):
+        value = json.loads(kombu_json.dumps(result))  # type: ignore[no-untyped-call]
+    except (TypeError, ValueError, RecursionError) as exc:
         logger.warning(
-            "%s returned a value that is not JSON (%s): once-replays will return None",
+            "%s returned a value that is not JSON (%s: %s): once-replays will return None",
             task_name,
             type(result).__name__,
+            type(exc).__name__,
             extra=fields("result_not_json"),
         )
         return {"value": None, "unstored": type(result).__qualname__}
-    return {"value": result}
+    return {"value": value}
 
 
 def replayed(stored: Any) -> Any:
-    """The value a ``once`` duplicate returns, from what ``stored_result`` kept."""
-    return stored.get("value") if isinstance(stored, dict) else stored
+    """The value a ``once`` duplicate returns, from what ``stored_result`` kept: what the
+    first run's caller got through Celery's ``json`` serializer."""
+    value = stored.get("value") if isinstance(stored, dict) else stored
+    if isinstance(value, (dict, list)):  # may hold kombu's tagged values
+        return kombu_json.loads(json.dumps(value))  # type: ignore[no-untyped-call]
+    return value

@@ -10,7 +10,10 @@ import json
 import os
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
 
 import pytest
 from celery import Celery
@@ -273,3 +276,33 @@ def test_a_child_killed_after_its_commit_charges_once_only_with_record_success(
         assert kept is not None and kept.lease.token == committed[0]["token"]
     else:
         assert len(tokens) == 2 and len(committed) == 2  # the double charge, shown
+
+
+@pytest.mark.usefixtures("app")
+def test_once_replays_a_decimal_datetime_uuid_or_bytes_as_the_first_caller_got_it(
+    store: MemoryBackend,
+) -> None:
+    # Found by trying the API: the stored result went through plain json, so a charge that
+    # returned a Decimal replayed None to every duplicate.
+    run = new_run()
+    first = tasks.charge_typed.delay(run).get(timeout=10)
+    assert first["amount"] == Decimal("1.50")  # Celery's json serializer keeps the types
+    again = [tasks.charge_typed.delay(run).get(timeout=10) for _ in range(2)]
+    assert again == [first] * 2
+    assert [type(value) for value in again[0].values()] == [Decimal, datetime, UUID, bytes]
+    assert len(tasks.SEEN[run]) == 1
+    assert outcomes(store, f"job:typed:{run}") == [Outcome.SUCCEEDED] + [Outcome.SKIPPED] * 2
+
+
+@pytest.mark.usefixtures("app")
+def test_once_with_a_result_too_deep_for_json_still_records_and_frees_its_key(
+    store: MemoryBackend,
+) -> None:
+    run = new_run()
+    with pytest.raises(Exception):  # noqa: B017 - Celery's own encoding fails too
+        tasks.charge_deep.delay(run).get(timeout=10)
+    key = f"job:deep:{run}"
+    eventually(lambda: store.get(key) is None, "the key freed")
+    [record] = store.history(key=key)
+    assert record.outcome is Outcome.SUCCEEDED  # the body returned
+    assert record.result == {"value": None, "unstored": "list"}
