@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from datetime import datetime, timezone
+from decimal import Decimal
 from typing import Any
+from uuid import UUID
 
 from celery import shared_task
 from celery.exceptions import Ignore, Reject
@@ -209,3 +212,37 @@ def charge_described(self: Any, run: str, amount: int, currency: str = "EUR") ->
     lease = self.lease
     note(self, run, metadata=None if lease is None else lease.metadata)
     return amount
+
+
+class GatewayError(Exception):
+    """An exception whose ``__str__`` fails, as a custom one reading a missing field does."""
+
+    def __str__(self) -> str:
+        payload: dict[str, str] = self.args[0]
+        return f"{payload['code']}: {payload['message']}"
+
+
+@shared_task(base=LockedTask, bind=True, name="t.unprintable", lock_key="unprintable:{run}")
+def unprintable(self: Any, run: str) -> None:
+    note(self, run)
+    raise GatewayError({"error": "gateway said no"})
+
+
+@shared_task(base=LockedTask, bind=True, name="t.charge_typed", lock_key="typed:{run}", once=True)
+def charge_typed(self: Any, run: str) -> dict[str, Any]:
+    note(self, run)
+    return {
+        "amount": Decimal("1.50"),
+        "at": datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc),
+        "id": UUID(int=42),
+        "receipt": b"abc",
+    }
+
+
+@shared_task(base=LockedTask, bind=True, name="t.charge_deep", lock_key="deep:{run}", once=True)
+def charge_deep(self: Any, run: str) -> list[Any]:
+    note(self, run)
+    deep: list[Any] = []
+    for _ in range(5000):  # deeper than json.dumps can go
+        deep = [deep]
+    return deep
