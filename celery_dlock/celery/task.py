@@ -140,13 +140,17 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         """A key for the running request's effect outside any database we reach (a card
         gateway's ``Idempotency-Key`` header): derived from the task's name and its lock
         key only, so every duplicate and every retry of one logical operation has the same
-        one, and no argument's value shows in it."""
+        one, and no argument's value shows in it. With several templates, from every key
+        in the templates' order (a transfer 1→2 is not one 2→1, nor one 1→3); with a
+        ``lock_limit``, from the key, not the slot the run holds."""
         lease = self.lease
-        key = (
-            lease.key
-            if lease is not None
-            else self.lock_key_for(tuple(self.request.args or ()), dict(self.request.kwargs or {}))
-        )
+        if lease is not None and len(self._dlock_templates) == 1 and self.lock_limit == 1:
+            key = lease.key
+        else:
+            args, kwargs = tuple(self.request.args or ()), dict(self.request.kwargs or {})
+            namespace = settings(self.app).namespace
+            bodies = (template.render(args, kwargs) for template in self._dlock_templates)
+            key = "+".join(f"{namespace}:{body}" if namespace else body for body in bodies)
         digest = hashlib.sha256(f"{self.name}\n{key}".encode("utf-8", "surrogatepass"))
         return f"dlock-{digest.hexdigest()[:40]}"
 
