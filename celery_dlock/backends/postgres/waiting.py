@@ -49,7 +49,11 @@ def wait(
         # Leaving also lets go of a queue lock granted just before a reported timeout (the
         # race DistributedLock#147 found); the caller tries the key again anyway.
         waiting.leave()
-        if exc.sqlstate not in ("55P03", "57014") or conn.closed:
+        if conn.closed:  # only a wake-up: a waiter whose connection ended looks again, and
+            # that look raises if the server is down (a terminated backend, a restart)
+            time.sleep(min(timeout, random.uniform(0.05, 0.1)))
+            return None
+        if exc.sqlstate not in ("55P03", "57014"):
             raise translate(exc, "wait", url) from exc
         return None
     return waiting

@@ -194,6 +194,8 @@ class AsyncRedis:
             packed = bulks(["BLPOP", signal, f"{pause:.3f}"])
             try:
                 await self._connections().send(packed, 3, timeout=pause + self._calls.slack)
+            except AMBIGUOUS:  # only a wake-up: look again (see Client.blpop)
+                await asyncio.sleep(min(pause, backoff(2)))
             except RedisError as exc:
                 raise self._client.error("wait", key, exc) from exc
         return None

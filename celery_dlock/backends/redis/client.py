@@ -266,10 +266,14 @@ class Client:
                 raise self.error(operation, None, exc) from exc
 
     def blpop(self, signal: bytes, timeout: float, key: str) -> None:
-        """Block on ``signal`` for up to ``timeout`` seconds (not retried: a waiter that
-        fails simply looks again)."""
+        """Block on ``signal`` for up to ``timeout`` seconds. A wait is only a wake-up: one
+        whose connection failed (a killed client, a restart) returns after a short pause
+        and its waiter looks again; the store's state is read by that look, which raises
+        if the store is down."""
         try:
             self._local.get().call("BLPOP", signal, f"{timeout:.3f}", timeout=timeout + self.slack)
+        except AMBIGUOUS:
+            time.sleep(min(timeout, backoff(2)))
         except RedisError as exc:
             raise self.error("wait", key, exc) from exc
 
