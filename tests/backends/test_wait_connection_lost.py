@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,10 +20,9 @@ redis = pytest.importorskip("redis")
 psycopg = pytest.importorskip("psycopg")
 
 from tests.backends.stores.postgres import schema_store  # noqa: E402
-from tests.backends.stores.redis import URL, delete_prefix  # noqa: E402
-from tests.backends.test_redis import open_backend, our_waiters, via  # noqa: E402
+from tests.backends.test_redis import open_backend, our_waiters, prefix, via  # noqa: E402, F401
 from tests.support.countingproxy import CountingProxy  # noqa: E402
-from tests.support.services import POSTGRES_URL, postgres_admin, redis_client  # noqa: E402
+from tests.support.services import POSTGRES_URL, postgres_admin  # noqa: E402
 
 CLIENTS = pytest.mark.parametrize("client", ["blocking", "asyncio"])
 
@@ -61,16 +60,11 @@ def waiter(backend: Any, key: str, client: str) -> Callable[[], Lease]:
     return lambda: asyncio.run(on_a_loop())
 
 
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    redis_client(URL).close()
-    name = f"tw{os.getpid()}-{os.urandom(3).hex()}"
-    yield name
-    delete_prefix(URL, name)
-
-
 @CLIENTS
-def test_a_redis_waiter_whose_connection_is_killed_looks_again(prefix: str, client: str) -> None:
+def test_a_redis_waiter_whose_connection_is_killed_looks_again(
+    prefix: str,  # noqa: F811
+    client: str,
+) -> None:
     with CountingProxy("127.0.0.1", 6379) as proxy:
         direct, cut = open_backend(prefix), open_backend(prefix, via(proxy))
         held = Lock(direct, "job:cut-waiter")
