@@ -58,9 +58,12 @@ def not_queued(task: Any) -> bool:
     return bool(request.called_directly or request.is_eager)
 
 
-def requeue(task: Any, exc: Exception, why: str, attempt: int = 0) -> Any:
-    """Send this request again later with jittered backoff, keeping Celery's own
-    ``retries`` count, and end this attempt as RETRY."""
+def requeue(
+    task: Any, exc: Exception, why: str, attempt: int = 0, level: int = logging.INFO
+) -> Any:
+    """Send this request again later with jittered backoff (``attempt``: the re-queues of
+    this request so far), keeping Celery's own ``retries`` count, and end this attempt as
+    RETRY; logged at ``level``."""
     if not_queued(task):
         raise exc
     request = task.request
@@ -74,7 +77,9 @@ def requeue(task: Any, exc: Exception, why: str, attempt: int = 0) -> Any:
     )
     signature.apply_async()
     extra = fields("requeued", task_id=request.id)
-    logger.info("%s[%s] re-queued in %.1f s: %s", task.name, request.id, delay, why, extra=extra)
+    logger.log(
+        level, "%s[%s] re-queued in %.1f s: %s", task.name, request.id, delay, why, extra=extra
+    )
     raise Retry(exc=exc, when=delay, sig=signature)
 
 

@@ -322,7 +322,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 )
                 self._started(request)
                 return self.run(*args, **kwargs)
-            return busy.requeue(self, exc, "the lock store failed")
+            # Backing off as for a busy key, without lock_retry_max: the work is kept
+            attempt = int(busy.header(request, busy.BUSY_HEADER) or 0)
+            why = f"the lock store failed: {exc}"
+            return busy.requeue(self, exc, why, attempt, logging.ERROR)
         request.dlock_lock = lock
         self._started(request)
         try:

@@ -172,3 +172,29 @@ def test_an_exception_whose_str_fails_is_still_recorded_and_its_key_freed(
     assert record.details is not None
     assert "str() of the exception failed: KeyError" in record.details
     assert "Traceback" in record.details
+
+
+@pytest.mark.usefixtures("broken_store")
+def test_store_failure_re_queues_with_backoff_and_logs_an_error(
+    app: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found by trying the API: every re-queue for a store failure waited 0.5-1 s, for ever,
+    # logged at INFO, where a busy key backs off 1 s doubling to 60 s.
+    run = new_run()
+    with caplog.at_level(logging.INFO, logger="celery_dlock.task"):
+        tasks.refund.delay(run)
+
+        def requeues() -> list[logging.LogRecord]:
+            found = [r for r in caplog.records if "re-queued" in r.getMessage()]
+            return found if len(found) >= 3 else []
+
+        first, second, third = eventually(requeues, "three re-queues", timeout=30)[:3]
+    delays = [
+        float(r.getMessage().split(" re-queued in ")[1].split(" s")[0])
+        for r in (first, second, third)
+    ]
+    # lock_retry_backoff 1 s, jittered 0.5-1x: attempt n waits 2**n x [0.5, 1] s
+    assert 0.5 <= delays[0] <= 1.0 and 1.0 <= delays[1] <= 2.0 and 2.0 <= delays[2] <= 4.0
+    assert {r.levelno for r in (first, second, third)} == {logging.ERROR}
+    assert "the lock store failed" in first.getMessage()
+    assert tasks.SEEN[run] == []  # never ran unlocked
