@@ -433,12 +433,33 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         token of this attempt's lease in a message header and takes the lease over."""
         lock: Lock | None = getattr(self.request, "dlock_lock", None)
         lease = None if lock is None else lock.lease
-        if lease is not None and self.lock_across_retries and isinstance(lock, Lock):
+        if (
+            lease is not None
+            and self.lock_across_retries
+            and isinstance(lock, Lock)
+            and not self.request.called_directly  # no message: nothing would come back
+            and self._retry_locks(lock.key, args, kwargs)
+        ):
             headers = dict(kwargs.get("headers") or self.request.headers or {})
             headers[RETRY_HEADER] = lease.token
             kwargs["headers"] = headers
             self.request.dlock_keep = True
         return super().retry(*args, **kwargs)
+
+    def _retry_locks(self, key: str, args: tuple[Any, ...], options: dict[str, Any]) -> bool:
+        """Whether the retry that ``retry(*args, **options)`` sends locks ``key`` again (its
+        arguments may name another key: then the lease is released, not kept)."""
+        given = dict(zip(("args", "kwargs"), args, strict=False)) | options
+        retry_args = given.get("args")
+        retry_kwargs = given.get("kwargs")
+        try:
+            keys = self.lock_keys_for(
+                tuple(self.request.args or ()) if retry_args is None else tuple(retry_args),
+                dict(self.request.kwargs or {}) if retry_kwargs is None else dict(retry_kwargs),
+            )
+        except LockKeyError:
+            return False
+        return keys == [key]
 
     # -- a lost lease ------------------------------------------------------------------------
 

@@ -246,3 +246,17 @@ def charge_deep(self: Any, run: str) -> list[Any]:
     for _ in range(5000):  # deeper than json.dumps can go
         deep = [deep]
     return deep
+
+
+@shared_task(base=LockedTask, bind=True, name="t.paginate", lock_key="page:{run}:{cursor}")
+def paginate(self: Any, run: str, cursor: int) -> int:
+    note(self, run, cursor=cursor)
+    if cursor < 2:  # the next page is another key
+        raise self.retry(kwargs={"run": run, "cursor": cursor + 1}, countdown=0.1)
+    return cursor
+
+
+@shared_task(base=LockedTask, bind=True, name="t.retry_soon", lock_key="soon:{run}")
+def retry_soon(self: Any, run: str) -> None:
+    note(self, run)
+    raise self.retry(countdown=1)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import pytest
+from celery.exceptions import Retry
 
 from celery_dlock import (
     BackendError,
@@ -198,3 +199,26 @@ def test_store_failure_re_queues_with_backoff_and_logs_an_error(
     assert {r.levelno for r in (first, second, third)} == {logging.ERROR}
     assert "the lock store failed" in first.getMessage()
     assert tasks.SEEN[run] == []  # never ran unlocked
+
+
+@pytest.mark.usefixtures("app")
+def test_a_retry_with_arguments_of_another_key_releases_the_lease(store: MemoryBackend) -> None:
+    # Found by trying the API: the lease was kept for the retry, which locked another key,
+    # so each page's key stayed held for 5 minutes after the task had succeeded.
+    run = new_run()
+    assert tasks.paginate.delay(run, 0).get(timeout=20) == 2
+    for cursor, outcome in [(0, Outcome.RETRIED), (1, Outcome.RETRIED), (2, Outcome.SUCCEEDED)]:
+        key = f"job:page:{run}:{cursor}"
+        assert store.get(key) is None
+        assert outcomes(store, key) == [outcome]
+
+
+@pytest.mark.usefixtures("app")
+def test_a_direct_call_that_retries_releases_its_lease(store: MemoryBackend) -> None:
+    # A direct call sends no retry: keeping the lease for one blocked the key for 5 minutes.
+    run = new_run()
+    with pytest.raises(Retry):
+        tasks.retry_soon(run)
+    key = f"job:soon:{run}"
+    assert store.get(key) is None
+    assert outcomes(store, key) == [Outcome.RETRIED]
