@@ -4,14 +4,14 @@ used to start, and fail every task for good, its message consumed and the work l
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.celery.prefork import BROKER_DB, HERE, RESULTS_DB
+from tests.celery.prefork import HERE
+from tests.celery.test_dedupe import producer_env
 
 
 @pytest.mark.parametrize(
@@ -24,16 +24,7 @@ from tests.celery.prefork import BROKER_DB, HERE, RESULTS_DB
 def test_a_worker_with_a_bad_lock_store_url_refuses_to_start(
     tmp_path: Path, redis_url: str, lock_url: str, message: str
 ) -> None:
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("DLOCK_TEST_")}
-    env = {
-        **inherited,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
-        "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",
-        "DLOCK_TEST_LOCKS": lock_url,
-        "DLOCK_TEST_LEDGER": str(tmp_path / "ledger.jsonl"),
-        "DLOCK_TEST_QUEUE": f"q-refused-{os.getpid()}",
-    }
+    env = producer_env(tmp_path, redis_url, lock_url)  # a queue no other worker reads
     args = [sys.executable, "-m", "celery", "-A", "workerapp", "worker", "--pool=solo",
             "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
     try:
