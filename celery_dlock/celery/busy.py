@@ -10,6 +10,7 @@ from typing import Any
 from celery.exceptions import Retry
 
 from celery_dlock import metrics
+from celery_dlock.celery.policies import call_policy
 from celery_dlock.errors import BackendError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
@@ -32,7 +33,7 @@ def apply_policy(task: Any, lock: Lock, exc: LockNotAcquiredError) -> Any:
     metrics.busy(task.name, "callable" if callable(policy) else str(policy))
     current = current_lease(lock)
     if callable(policy):
-        return policy(lock.key, current)
+        return call_policy(task, "on_locked", lock.key, current)
     if policy == "skip":
         blocker = (
             f"held by {current.holder.describe()} (fence {current.fence})"

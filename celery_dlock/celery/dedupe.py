@@ -42,6 +42,7 @@ from celery.exceptions import Retry
 from celery.utils import uuid
 
 from celery_dlock.celery.outcomes import outcome_of
+from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import BackendError, DuplicateTaskError
 from celery_dlock.events import fields
@@ -171,8 +172,8 @@ def _duplicate(task: Any, key: str, queued: Lease) -> Any:
     policy = task.on_duplicate
     extra = fields("duplicate", key=key, task_id=task_id)
     logger.info("%s not sent: %s is queued already as %s", task.name, key, task_id, extra=extra)
-    if callable(policy):  # a function set on the task class is bound: it gets the task first
-        return policy(key, task_id)
+    if callable(policy):
+        return call_policy(task, "on_duplicate", key, task_id)
     if policy == "raise":
         raise DuplicateTaskError(key, task_id)
     return task.AsyncResult(task_id)

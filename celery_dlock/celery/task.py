@@ -44,6 +44,7 @@ from celery_dlock.celery import busy, dedupe, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import check_options
 from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
+from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
 from celery_dlock.errors import (
     AlreadySucceededError,
@@ -468,7 +469,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         task's ``on_lock_lost`` policy."""
         policy = self.on_lock_lost
         if callable(policy):
-            policy(lease)
+            call_policy(self, "on_lock_lost", lease)
         elif policy == "raise":
             # Raise LockLostError in the task's thread at its next Python instruction.
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
