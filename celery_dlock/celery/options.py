@@ -58,6 +58,18 @@ def check_options(cls: Any, name: str, *, several: bool = False) -> None:
             )
         if cls.dedupe_ttl is not None:
             validate_ttl(cls.dedupe_ttl)
+        for option in ("once", "lock_across_retries"):
+            if not isinstance(getattr(cls, option), bool):
+                raise ConfigurationError(
+                    f"{option} must be True or False, not {getattr(cls, option)!r}"
+                )
+        retry_max = cls.lock_retry_max
+        if retry_max is not None and (
+            isinstance(retry_max, bool) or not isinstance(retry_max, int) or retry_max < 0
+        ):
+            raise ConfigurationError(
+                f"lock_retry_max must be None or a whole number >= 0, not {retry_max!r}"
+            )
         for option in ("lock_retry_backoff", "lock_retry_backoff_max"):
             value = getattr(cls, option)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

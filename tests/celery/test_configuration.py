@@ -62,6 +62,14 @@ def test_bound_task_signature_skips_self(lazy_app: Celery) -> None:
         ({"lock_key": ["a:{order_id}", "b:{order_id}"], "lock_limit": 2}, "all or none"),
         ({"lock_key": "o:{order_id}", "lock_metadata": {"a": 1}}, "lock_metadata must be a"),
         ({}, "no lock_key"),
+        # found by trying the API: these failed only at the first run, or were taken as true
+        ({"lock_key": ""}, "not empty"),
+        ({"lock_key": []}, "not empty"),
+        ({"lock_key": ["a:{order_id}", " "]}, "not empty"),
+        ({"lock_key": "o:{order_id}", "once": "yes"}, "once must be True or False"),
+        ({"lock_key": "o:{order_id}", "lock_across_retries": "no"}, "lock_across_retries"),
+        ({"lock_key": "o:{order_id}", "lock_retry_max": -1}, "lock_retry_max"),
+        ({"lock_key": "o:{order_id}", "lock_retry_max": "3"}, "lock_retry_max"),
     ],
 )
 def test_bad_options_fail_at_definition(
