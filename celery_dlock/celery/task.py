@@ -112,7 +112,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             raise LockKeyError(f"task {name} has base=LockedTask but no lock_key")
         func = run.__func__ if isinstance(run, staticmethod) else functools.partial(run, None)
         given = cls.lock_key if isinstance(cls.lock_key, (list, tuple)) else [cls.lock_key]
-        if not given or any(not isinstance(t, str) or not t.strip() for t in given):
+        if not given or any(isinstance(t, str) and not t.strip() for t in given):
             raise LockKeyError(f"task {name}: lock_key must be templates that are not empty")
         cls._dlock_templates = tuple(
             KeyTemplate(template, func, namespace="", owner=name) for template in given
