@@ -146,6 +146,13 @@ def test_option_override_must_be_known(tmp_path: Path) -> None:
             "postgresql://app:***@[::1]/x?sslmode=require",
         ),
         ("file:///var/lib/dlock", "file:///var/lib/dlock"),
+        # found by trying the CLI: libpq's password option printed in full, page included
+        (
+            "postgresql://app@db/x?schema=s&password=s3cret&sslpassword=s3cret",
+            "postgresql://app@db/x?schema=s&password=***&sslpassword=***",
+        ),
+        ("s3://AK@b/p?secret_key=s3cret&region=r", "s3://AK@b/p?secret_key=***&region=r"),
+        ("postgresql://app:s3cret@db/x?password=s3cret", "postgresql://app:***@db/x?password=***"),
     ],
 )
 def test_mask_url_hides_passwords(url: str, masked: str) -> None:

@@ -10,7 +10,7 @@ import difflib
 import importlib
 import sys
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from celery_dlock.backends.base import Capabilities, LockBackend
 from celery_dlock.errors import ConfigurationError, MissingDependencyError, UnknownBackendError
@@ -22,6 +22,7 @@ __all__ = [
     "backend_class",
     "backend_from_url",
     "mask_url",
+    "query_secrets",
 ]
 
 #: scheme -> (``"module:Class"``, package extra that installs its driver)
@@ -93,13 +94,37 @@ def backend_from_url(url: str, **options: Any) -> LockBackend:
 
 
 def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``, for logs and output."""
+    """``url`` with its password replaced by ``***``, for logs and output: the one in its
+    user info, and any query option whose name says it is secret (``password``,
+    ``sslpassword``, ``secret_key``)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
+    query = "&".join(_masked_option(option) for option in parts.query.split("&"))
     if parts.password is None:
-        return url
+        if query == parts.query:
+            return url
+        return urlunsplit((parts.scheme, parts.netloc, parts.path, query, parts.fragment))
     userinfo, _, hosts = parts.netloc.rpartition("@")  # hosts: one, or a cluster's list
     netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _masked_option(option: str) -> str:
+    name, equals, value = option.partition("=")
+    return f"{name}=***" if equals and value and _secret(name) else option
+
+
+def _secret(name: str) -> bool:
+    return any(word in unquote(name).lower() for word in ("password", "secret"))
+
+
+def query_secrets(url: str) -> list[str]:
+    """The values of ``url``'s query options that :func:`mask_url` masks, as written."""
+    try:
+        query = urlsplit(url).query
+    except ValueError:
+        return []
+    pairs = (option.partition("=") for option in query.split("&"))
+    return [value for name, _, value in pairs if value and _secret(name)]

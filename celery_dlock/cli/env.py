@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 import click
 
-from celery_dlock.backends import backend_from_url, mask_url
+from celery_dlock.backends import backend_from_url, mask_url, query_secrets
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError, DLockError
 
@@ -131,6 +131,9 @@ def _replacements(url: str) -> list[tuple[str, str]]:
             # A very short password would mask ordinary words; its URL forms are masked above.
             if len(form) >= 4:
                 pairs.append((form, "***"))
+    for secret in query_secrets(url):  # ?password=..., ?secret_key=...
+        forms = dict.fromkeys((secret, unquote(secret)))
+        pairs.extend((form, "***") for form in forms if len(form) >= 4)
     return pairs
 
 

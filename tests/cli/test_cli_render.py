@@ -68,11 +68,12 @@ def test_table_aligns_columns_without_trailing_spaces() -> None:
         ("postgresql://app:s3cret@db/app?schema=x", ["s3cret"]),
         ("redis://:s3%40cret@cache:6379/1", ["s3%40cret", "s3@cret"]),
         ("redis://:s3cret@[::1:6379/1", ["s3cret"]),  # unparsable: found all the same
+        ("postgresql://app@db/app?password=s3%40cret", ["s3%40cret", "s3@cret"]),
     ],
 )
 def test_scrub_masks_the_password_in_any_text(url: str, forms: list[str]) -> None:
     env = Env(lambda: Target(url=url, source="--backend", namespace="job"))
-    assert ":***@" in env.url or env.url == "<unparsable URL>"
+    assert "***" in env.url or env.url == "<unparsable URL>"
     quoted = f"failed: {url!r}; auth with {' / '.join(forms)} refused; {url}"
     scrubbed = env.scrub(quoted)
     assert all(form not in scrubbed for form in forms), scrubbed
