@@ -145,14 +145,15 @@ def test_renew_of_a_lost_lease_raises(backend: MemoryBackend) -> None:
 
 def test_background_renewal_keeps_a_short_lease_alive() -> None:
     backend = MemoryBackend()
-    the_lock = Lock(backend, "job:long", ttl=0.3)
+    # ttl 1.5: renewals every 0.5 s, each with 1.5 s to land (0.3 s was not enough under load).
+    the_lock = Lock(backend, "job:long", ttl=1.5)
     first = the_lock.acquire()
     eventually(
         lambda: (
             (current := backend.get("job:long")) is not None
             and current.expires_at is not None
             and first.expires_at is not None
-            and current.expires_at > first.expires_at + 0.5
+            and current.expires_at > first.expires_at + 2.0  # renewed after the first expiry
         ),
         "several renewals",
     )

@@ -19,6 +19,7 @@ import pytest
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome
 from celery_dlock.backends import backend_from_url
+from celery_dlock.backends.base import Check
 from celery_dlock.backends.naming import file_name
 from celery_dlock.backends.objectstore import ObjectStoreBackend
 from tests.support import eventually, force_release
@@ -163,7 +164,8 @@ def test_holder_killed_mid_lease_is_taken_over_after_expiry_and_recorded(
     object_url: str,  # noqa: F811
     backend: ObjectStoreBackend,
 ) -> None:
-    command = [sys.executable, "-c", HOLDER, object_url, "job:killed", "1.5"]
+    # ttl 3: renewals every 1 s, each with 3 s to land on a loaded machine (1.5 s was not).
+    command = [sys.executable, "-c", HOLDER, object_url, "job:killed", "3"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -445,9 +447,16 @@ def test_the_doctor_checks_what_the_locks_rest_on(object_server: Server) -> None
     backend = backend_from_url(object_server.url(unique_prefix()))
     server_time = backend.server_time()
     assert server_time is not None and abs(server_time - time.time()) < 1.5
-    checks = {check.name: check for check in backend.diagnose()}
+
+    def calibrated() -> dict[str, Check] | None:
+        found = {check.name: check for check in backend.diagnose()}
+        return found if found["server clock"].ok else None
+
+    # Each diagnose() calibrates for at most 2.5 s: against moto (one request at a time) on a
+    # loaded 2-core CI machine that once in five runs left the window at 109 ms. Each run
+    # narrows it further, as an operator's second `doctor` would.
+    checks = eventually(calibrated, "the doctor knows the server clock within 0.1 s")
     assert checks["create-if-absent"].ok and checks["compare-and-swap"].ok
-    assert checks["server clock"].ok, checks["server clock"].detail
     # fake-gcs-server deletes whatever the precondition (measured); S3 servers refuse.
     assert checks["conditional delete"].ok is (object_server.kind != "fake-gcs")
     assert isinstance(backend, ObjectStoreBackend)

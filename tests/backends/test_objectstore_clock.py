@@ -122,8 +122,14 @@ def test_calibration_narrows_the_window_by_dates_alone(object_url: str) -> None:
     assert isinstance(backend, ObjectStoreBackend)
     backend.get("job:x")  # one response: a window of about a second
     assert backend.server_clock.uncertainty > 0.5
-    backend.objects.calibrate()
-    assert backend.server_clock.uncertainty <= 0.1
+
+    def calibrated() -> bool:
+        backend.objects.calibrate()
+        return backend.server_clock.uncertainty <= 0.1
+
+    # One calibrate() reads for at most 2.5 s: against moto (one request at a time) on a
+    # loaded 2-core CI machine that once in five runs left 109 ms. Each call narrows further.
+    eventually(calibrated, "the window narrowed to 0.1 s by calibration")
     now = backend.server_clock.now()
     assert now is not None and now.low - 0.01 <= time.time() <= now.high + 0.01
 

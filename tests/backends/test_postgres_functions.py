@@ -67,22 +67,26 @@ def test_psql_and_python_exclude_each_other_and_share_fences_and_history(
 ) -> None:
     backend, schema = store
     key = "job:report:daily"
-    token_file = tmp_path / "token"
-    # One psql session: take the key, say so, hold it a while, release it as failed.
+    token_file, go = tmp_path / "token", tmp_path / "go"
+    # One psql session: take the key, say so, hold it until ``go`` exists (however slow the
+    # machine, the test looks while psql holds), release it as failed.
     holding = psql(
         f"SELECT token, fence FROM {schema}.acquire('{key}', 'nightly report (psql)', NULL) "
         "\\gset\n"
         f"\\o {token_file}\n\\qecho :token :fence\n\\o\n"
-        "SELECT pg_sleep(1.5);\n"
+        f"\\! until [ -e '{go}' ]; do sleep 0.02; done\n"
         f"SELECT {schema}.release('{key}', :'token', 'failed', 'ReportError', 'row 7 bad');"
     )
-    token, fence = eventually(
-        lambda: token_file.exists() and token_file.read_text().split(), "psql holds"
-    )
-    held = backend.get(key)
-    assert held is not None and held.token == token and held.fence == int(fence)
-    assert held.holder.task_name == "sql" and held.holder.worker == "nightly report (psql)"
-    assert Lock(backend, key).attempt() is None  # Python is kept out while psql holds
+    try:
+        token, fence = eventually(
+            lambda: token_file.exists() and token_file.read_text().split(), "psql holds"
+        )
+        held = backend.get(key)
+        assert held is not None and held.token == token and held.fence == int(fence)
+        assert held.holder.task_name == "sql" and held.holder.worker == "nightly report (psql)"
+        assert Lock(backend, key).attempt() is None  # Python is kept out while psql holds
+    finally:
+        go.touch()
     waiter = Lock(backend, key, wait=30)
     lease = waiter.acquire()  # woken when psql's release lets go of the advisory lock
     assert finished(holding).strip() == "failed"

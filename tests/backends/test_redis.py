@@ -617,7 +617,7 @@ def test_kept_results_expire_on_their_own_and_outlive_pruning(prefix: str, raw: 
 
 def test_history_reads_back_every_stored_form(backend: RedisBackend) -> None:
     me = holder("tasks.odd")
-    lease = backend.try_acquire("job:forms", me, 0.25)
+    lease = backend.try_acquire("job:forms", me, 60)
     assert lease is not None and lease.expires_at is not None
     renewed = backend.renew(lease, 30)
     assert renewed is not None
@@ -710,18 +710,20 @@ def test_a_sigkilled_holder_stops_renewing_and_another_process_takes_over(
 ) -> None:
     from celery_dlock import Lease
 
-    process = spawn(HOLDER, store_url(prefix), "job:renewing", "0.6")
+    # ttl 2: renewals every 0.67 s, each with 2 s to land however loaded the machine.
+    process = spawn(HOLDER, store_url(prefix), "job:renewing", "2.0")
     try:
         assert process.stdout is not None
         first = Lease.from_dict(json.loads(process.stdout.readline()))
         assert first.expires_at is not None
-        # Alive: its renewal thread moves the expiry on, well past the first one.
+        # Alive: its renewal thread moves the expiry on, well past the first one (by more
+        # than two renewals' worth).
         eventually(
             lambda: (
                 (
                     (lease := backend.get("job:renewing")) is not None
                     and lease.expires_at is not None
-                    and lease.expires_at > first.expires_at + 0.5
+                    and lease.expires_at > first.expires_at + 1.5
                 )
                 or None
             ),

@@ -235,7 +235,9 @@ def test_reap_reads_the_index_and_never_scans_the_keyspace(server: RedisServer) 
 def test_after_a_restart_holders_see_their_leases_lost_and_fences_go_on_up(
     server: RedisServer,
 ) -> None:
-    url = server.url("restart", restart_delay=1)
+    # restart_delay well above the time a loaded machine takes from the restart to the
+    # newcomer's first call (1 s was not, as in the test below).
+    url = server.url("restart", restart_delay=3)
     holding, other = open_backend(url), open_backend(url)
     # The server just started: its first clients wait out the quarantine too.
     lease = eventually(lambda: holding.try_acquire("job:restart", holder(), 30), "first lock")

@@ -70,7 +70,9 @@ def test_past_success_retry_the_release_gives_up_and_says_so(
     proxy, backend = proxied
     lock = Lock(backend, "job:order:8", holder=Holder.current(task_name=TASK))
     lease = lock.acquire()
-    lock.success_retry = 0.8
+    # Attempts at 0, 0.25 and 0.75 s (pauses 0.25, 0.5, then 1 s: past the budget, so it gives
+    # up there); the second attempt has until 1 s to start (0.8 left a loaded machine 50 ms).
+    lock.success_retry = 1.5
     proxy.refuse()
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="celery_dlock"), pytest.raises(BackendError):

@@ -142,7 +142,7 @@ def custom(self: Any, run: str) -> str:
     bind=True,
     name="t.long",
     lock_key="long:{run}",
-    lock_ttl=0.3,
+    lock_ttl=1.5,  # renewed every 0.5 s, each renewal with 1 s to spare under load
 )
 def long(self: Any, run: str, seconds: float) -> list[float]:
     note(self, run)
@@ -160,7 +160,7 @@ def long(self: Any, run: str, seconds: float) -> list[float]:
     bind=True,
     name="t.doomed",
     lock_key="doomed:{run}",
-    lock_ttl=0.3,
+    lock_ttl=3.0,  # must not expire before the test takes it; the next renewal sees that
     on_lock_lost="raise",
 )
 def doomed(self: Any, run: str) -> str:

@@ -82,7 +82,9 @@ def test_a_release_the_store_refused_lands_at_the_worker_childs_shutdown(
     with CountingProxy(server.hostname or "127.0.0.1", server.port or 6379) as proxy:
         through = f"redis://127.0.0.1:{proxy.port}{server.path}"
         with running(tmp_path, redis_url, store_url(prefix, through, retries=0)) as worker:
-            worker.tasks.hold.delay(order, 1.0)
+            # The body holds for 5 s: the store must be cut off before it ends, however
+            # long the test takes to see it start (1 s was not always enough under load).
+            worker.tasks.hold.delay(order, 5.0)
             body = started_body(worker, key)
             proxy.refuse()  # the body ends while Redis cannot be reached
             eventually(lambda: "could not release" in worker.log.read_text(), "refused")

@@ -42,13 +42,21 @@ def python(code: str) -> list[str]:
 def test_the_command_runs_holding_the_key_and_its_success_is_recorded(
     store: CliStore, tmp_path: Path
 ) -> None:
-    started = tmp_path / "started"
-    code = f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(1.0)"
+    started, go = tmp_path / "started", tmp_path / "go"
+    # The command runs until ``go`` exists: the key is held while the test looks, however
+    # slow the machine.
+    code = (
+        f"import os, pathlib, time; pathlib.Path({str(started)!r}).touch()\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.01)"
+    )
     runner = start(store, *TTL, KEY, "--", *python(code))
-    eventually(started.exists, "the command started")
-    lease = store.backend.get(KEY)
-    assert lease is not None and lease.holder.task_name == RUN_TASK
-    assert lease.holder.pid == runner.pid  # the runner holds it, not the command
+    try:
+        eventually(started.exists, "the command started")
+        lease = store.backend.get(KEY)
+        assert lease is not None and lease.holder.task_name == RUN_TASK
+        assert lease.holder.pid == runner.pid  # the runner holds it, not the command
+    finally:
+        go.touch()
     assert runner.wait(timeout=60) == 0
     [record] = store.backend.history(key=KEY)
     assert record.outcome is Outcome.SUCCEEDED and record.lease.token == lease.token
