@@ -5,8 +5,11 @@ The runner takes the lease (waiting up to ``--wait``), renews it while the comma
 (with ``--ttl``), passes SIGTERM, SIGINT and SIGHUP on to the command, and releases on every
 way out, recorded with the outcome: ``succeeded`` for exit 0, ``failed`` with ``exit N`` or
 ``signal NAME`` and the tail of the command's stderr, ``revoked`` when the runner was told to
-stop. A runner that is SIGKILLed releases nothing: the store's liveness frees the key (its
-session or process ends, or its ttl runs out) and the janitor records it.
+stop (whatever the command's exit status). A runner that is SIGKILLed releases nothing: the
+store's liveness frees the key (its session or process ends, or its ttl runs out) and the
+janitor records it; on Linux its command is SIGKILLed with it (``PR_SET_PDEATHSIG``), so that
+the next run cannot overlap a command whose lock is gone. The command finds the key and the
+lease's fence in ``DLOCK_KEY`` and ``DLOCK_FENCE``.
 
 Exit codes: the command's own (128 + N when a signal N ended it); 75 (EX_TEMPFAIL) when the
 key stayed busy; 69 (EX_UNAVAILABLE) when the store failed before the command started; 127
@@ -17,12 +20,14 @@ when the command could not be started (recorded ``failed``); 2 for bad usage. Wi
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import click
@@ -44,6 +49,8 @@ RUN_TASK = "celery-dlock run"
 #: Bytes of the command's stderr kept for the record of a failure.
 STDERR_TAIL = 4096
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: prctl(2): the signal a process gets when its parent thread dies.
+_PR_SET_PDEATHSIG = 1
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -78,6 +85,10 @@ def run(
             env.echo(f"{key}: the command succeeded before (--once): not run again")
             return
         lease = lock.acquire()
+        if once and lock.last_success(RUN_TASK) is not None:  # succeeded while we waited
+            lock.release(Outcome.SKIPPED, "once", "the command succeeded before (--once)")
+            env.echo(f"{key}: the command succeeded before (--once): not run again")
+            return
     except LockNotAcquiredError as exc:
         env.echo(f"{key} is busy: {exc}", err=True)
         raise click.exceptions.Exit(EXIT_BUSY) from None
@@ -91,7 +102,12 @@ def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
     """Run the command under ``lease``; release with its outcome; its exit code."""
     stopping: list[int] = []
     try:
-        process = subprocess.Popen(words, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            words,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "DLOCK_KEY": lease.key, "DLOCK_FENCE": str(lease.fence)},
+            preexec_fn=_die_with(os.getpid()),  # noqa: PLW1509 - async-signal-safe calls only
+        )
     except OSError as exc:
         lock.release(Outcome.FAILED, type(exc).__name__, f"could not start {words[0]}: {exc}")
         click.echo(f"cannot run {shlex.join(words)}: {exc}", err=True)
@@ -118,7 +134,26 @@ def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
     return status if status >= 0 else 128 - status
 
 
+def _die_with(runner: int) -> Callable[[], None] | None:
+    """What the command's child process runs before its ``exec`` (Linux): ask for SIGKILL
+    when the runner dies, and die now if it already has. None elsewhere."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the child
+    except (OSError, AttributeError):
+        return None
+
+    def tie() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != runner:  # the runner died before the request took effect
+            os._exit(1)
+
+    return tie
+
+
 def _ending(status: int, stopping: list[int], stderr: str) -> tuple[Outcome, str | None, str]:
+    if stopping and status >= 0:  # it stopped on its own terms when told to: not a success
+        told = signal.Signals(stopping[0]).name
+        return Outcome.REVOKED, f"exit {status}", f"exit {status} (the runner got {told})"
     if status == 0:
         return Outcome.SUCCEEDED, None, "exit 0"
     if status < 0:

@@ -5,7 +5,6 @@ each way a command ends (exit codes, signals, the runner told to stop), a runner
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -125,29 +124,80 @@ def test_sigterm_to_the_runner_goes_to_the_command_and_is_recorded_revoked(
     assert "the runner got SIGTERM" in (record.details or "")
 
 
-def test_a_sigkilled_runner_leaves_the_key_to_the_stores_liveness(
+def test_a_command_that_exits_0_when_the_runner_is_told_to_stop_is_recorded_revoked(
     store: CliStore, tmp_path: Path
 ) -> None:
+    # A graceful stop is no success: recorded succeeded, --once would never run it again.
+    started = tmp_path / "started"
+    code = (
+        "import pathlib, signal, sys, time; "
+        "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); "
+        f"pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
+    )
+    runner = start(store, *TTL, KEY, "--", *python(code))
+    eventually(started.exists, "the command started")
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 0
+    [record] = store.backend.history(key=KEY)
+    assert record.outcome is Outcome.REVOKED and record.problem == "exit 0"
+    assert "the runner got SIGTERM" in (record.details or "")
+
+
+def test_a_sigkilled_runner_takes_its_command_with_it_and_leaves_the_key_to_the_store(
+    store: CliStore, tmp_path: Path
+) -> None:
+    # Found by trying the CLI: the command outlived its SIGKILLed runner while the store
+    # freed the key, so the next cron run overlapped it.
     started = tmp_path / "started"
     pid_file = tmp_path / "command.pid"
     code = (
         f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid())); "
-        f"pathlib.Path({str(started)!r}).touch(); time.sleep(60)"
+        f"pathlib.Path({str(started)!r}).write_text(os.environ['DLOCK_FENCE']); time.sleep(60)"
     )
     runner = start(store, *TTL, KEY, "--", *python(code))
     eventually(started.exists, "the command started")
     held = store.backend.get(KEY)
     assert held is not None
+    eventually(started.read_text, "the fence written")
+    assert started.read_text() == str(held.fence)  # the command knows its fence
+    command = int(pid_file.read_text())
     runner.kill()
     runner.wait(timeout=30)
-    try:  # the command outlives its runner (as under flock): its lease does not
-        after = run(store, *TTL, "--wait", "30", KEY, "--", "true")
-        assert after.returncode == 0
-        records = store.backend.history(key=KEY)
-        ended = next(r for r in records if r.lease.token == held.token)
-        assert ended.outcome in (Outcome.DISCONNECTED, Outcome.EXPIRED)
-    finally:
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    eventually(lambda: not _alive(command), "the command killed with its runner", timeout=10)
+    after = run(store, *TTL, "--wait", "30", KEY, "--", "true")
+    assert after.returncode == 0
+    records = store.backend.history(key=KEY)
+    ended = next(r for r in records if r.lease.token == held.token)
+    assert ended.outcome in (Outcome.DISCONNECTED, Outcome.EXPIRED)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, reaped by init in time, counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_once_with_wait_runs_once_when_the_first_run_succeeds_meanwhile(
+    store: CliStore, tmp_path: Path
+) -> None:
+    # Found by trying the CLI: the --once check came before the wait, so a runner waiting
+    # behind a run that then succeeded ran the command again.
+    count, started = tmp_path / "count", tmp_path / "started"
+    code = (
+        f"import pathlib, time; open({str(count)!r}, 'a').write('ran\\n'); "
+        f"pathlib.Path({str(started)!r}).touch(); time.sleep(1)"
+    )
+    first = start(store, *TTL, "--once", KEY, "--", *python(code))
+    eventually(started.exists, "the first run started")
+    second = run(store, *TTL, "--once", "--wait", "30", KEY, "--", *python(code))
+    assert first.wait(timeout=30) == 0
+    assert second.returncode == 0 and "succeeded before" in second.stdout
+    assert count.read_text() == "ran\n"
+    outcomes = [r.outcome for r in store.backend.history(key=KEY)]
+    assert outcomes == [Outcome.SKIPPED, Outcome.SUCCEEDED]
 
 
 def test_once_runs_a_succeeded_command_only_once(store: CliStore, tmp_path: Path) -> None:
