@@ -19,6 +19,7 @@ from xml.sax.saxutils import escape, quoteattr
 
 import click
 
+from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import SINCE, human_duration, local_time
 from celery_dlock.records import Lease, Outcome, Record
@@ -174,6 +175,33 @@ def page(svg: str, title: str) -> str:
     )
 
 
+def newest_matching(
+    backend: LockBackend,
+    prefix: str,
+    *,
+    outcome: Outcome | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int,
+) -> list[Record]:
+    """The newest ``limit`` records of keys starting with ``prefix`` (and released by
+    ``until``), newest first. The store filters by exact key only: asked for ``limit``
+    records, it may return other keys' only; then the whole window is read."""
+
+    def kept(batch: list[Record]) -> list[Record]:
+        return [
+            record
+            for record in batch
+            if record.key.startswith(prefix) and (until is None or record.released_at <= until)
+        ]
+
+    batch = backend.history(outcome=outcome, since=since, limit=limit)
+    found = kept(batch)
+    if len(found) < limit and len(batch) == limit:  # other keys' records filled the batch
+        found = kept(backend.history(outcome=outcome, since=since, limit=None))
+    return found[:limit]
+
+
 @click.command()
 @click.option("--key", "prefix", help="Only keys starting with this (default: the namespace).")
 @click.option("--since", type=SINCE, default="1h", show_default=True, help="From: 10m, 2h or ISO.")
@@ -193,11 +221,7 @@ def timeline(env: Env, *, prefix: str | None, since: float, limit: int, output: 
     chosen = env.target.prefix if prefix is None else prefix
     backend = env.backend
     until = time.time()
-    records = [
-        record
-        for record in backend.history(since=since, limit=limit)
-        if record.key.startswith(chosen)
-    ]
+    records = newest_matching(backend, chosen, since=since, limit=limit)
     bars = [Bar.of(record) for record in records]
     bars += [Bar(lease, lease.acquired_at, until, "held") for lease in backend.leases(chosen)]
     svg = render_svg(bars, since, until)

@@ -37,7 +37,7 @@ from celery_dlock.cli.render import (
     human_duration,
     local_time,
 )
-from celery_dlock.cli.timeline import COLOURS, Bar, render_svg
+from celery_dlock.cli.timeline import COLOURS, Bar, newest_matching, render_svg
 from celery_dlock.errors import DLockError, LockKeyError
 from celery_dlock.keys import validate_key
 from celery_dlock.records import Outcome, Record
@@ -218,8 +218,9 @@ def _records(backend: LockBackend, page: Page) -> list[Record]:
     found = [
         record
         for kind in kinds
-        for record in backend.history(outcome=kind, since=page.since, limit=page.limit)
-        if record.key.startswith(page.prefix) and record.released_at <= page.until
+        for record in newest_matching(
+            backend, page.prefix, outcome=kind, since=page.since, until=page.until, limit=page.limit
+        )
     ]
     found.sort(key=lambda record: record.released_at, reverse=True)
     return found[: page.limit]
@@ -258,10 +259,15 @@ def _metrics(backend: LockBackend, page: Page) -> str:
     now = time.time()
     leases = backend.leases(page.prefix)
     oldest = max((now - lease.acquired_at for lease in leases), default=0.0)
-    counts: dict[str, int] = {}
-    for record in backend.history(since=page.since, limit=MAX_LIMIT):
-        if record.key.startswith(page.prefix):
-            counts[record.outcome.value] = counts.get(record.outcome.value, 0) + 1
+    # One query per outcome, each of at most MAX_LIMIT records: a busy store's successes
+    # must not crowd its failures out of the count.
+    counts = {
+        outcome.value: sum(
+            record.key.startswith(page.prefix)
+            for record in backend.history(outcome=outcome, since=page.since, limit=MAX_LIMIT)
+        )
+        for outcome in Outcome
+    }
     lines = [
         "# HELP dlock_store_leases_held Leases held now in the store.",
         "# TYPE dlock_store_leases_held gauge",
@@ -269,7 +275,8 @@ def _metrics(backend: LockBackend, page: Page) -> str:
         "# HELP dlock_store_oldest_lease_age_seconds Age of the oldest lease held now.",
         "# TYPE dlock_store_oldest_lease_age_seconds gauge",
         f"dlock_store_oldest_lease_age_seconds {oldest:.3f}",
-        "# HELP dlock_store_records Records in the history window, by outcome.",
+        "# HELP dlock_store_records Records in the history window, by outcome "
+        f"(at most {MAX_LIMIT} each).",
         "# TYPE dlock_store_records gauge",
     ]
     lines += [

@@ -22,7 +22,7 @@ import pytest
 from celery_dlock import Holder, Lock, Outcome
 from celery_dlock.cli.timeline import COLOURS
 from celery_dlock.records import describe_exception
-from tests.cli.clitools import BIN, CliStore, environment, postgres_url
+from tests.cli.clitools import BIN, CliStore, environment, postgres_url, run_cli
 from tests.support import eventually, unavailable
 from tests.support.holders import kill, spawn_holder
 
@@ -318,3 +318,27 @@ def test_releasing_needs_the_flag_the_secret_and_the_csrf_token(
     finally:
         server.stop()
     assert lock.release() is None  # released by the page, recorded there: this one is lost
+
+
+def test_a_busy_store_s_successes_crowd_out_no_failure_or_filtered_key(
+    pg_store: CliStore, served: Server, tmp_path: Path
+) -> None:
+    # Found by trying the CLI: /metrics counted the newest 5000 records of the window, and
+    # the page and the timeline filtered the key prefix after the store's limit, so 20
+    # failures under job:other: behind 5000 newer successes showed as none.
+    backend = pg_store.backend
+    for n in range(20):
+        lease = backend.try_acquire(f"job:other:{n}", Holder.current(), None)
+        assert lease is not None and backend.release(lease, Outcome.FAILED) is not None
+    for _ in range(5001):
+        lease = backend.try_acquire("job:busy", Holder.current(), None)
+        assert lease is not None and backend.release(lease, Outcome.SUCCEEDED) is not None
+    status, text = served.get("/metrics")
+    assert status == 200
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line[:1] != "#")
+    assert lines['dlock_store_records{outcome="failed"}'] == "20"
+    status, page = served.get("/?key=job:other:&limit=100")
+    assert status == 200 and page.count('class="record"') == 20
+    out = tmp_path / "other.svg"
+    drawn = run_cli("--backend", pg_store.url, "timeline", "--key", "job:other:", "-o", str(out))
+    assert drawn.returncode == 0 and "20 leases on 20 keys" in drawn.stdout
