@@ -139,9 +139,9 @@ def make_app(
             abort(403, "releasing is off: start the server with --allow-release")
         form = request.form
         cookie = request.cookies.get(_CSRF_COOKIE, "")
-        if not cookie or not hmac.compare_digest(cookie, form.get("csrf", "")):
+        if not cookie or not _same(cookie, form.get("csrf", "")):
             abort(403, "the form's CSRF token does not match: reload the page")
-        if not hmac.compare_digest(release_secret, form.get("secret", "")):
+        if not _same(release_secret, form.get("secret", "")):
             abort(403, "wrong release secret")
         key, token = form.get("key", ""), form.get("token", "")
         who, why = form.get("who", "").strip(), form.get("why", "").strip()
@@ -149,7 +149,7 @@ def make_app(
             abort(400, "say who releases and why")
         _checked_key(key)
         lease = backend.get(key)
-        if lease is None or not hmac.compare_digest(lease.token, token):
+        if lease is None or not _same(lease.token, token):
             abort(409, "that lease is not on the key any more: nothing was released")
         details = f"released by {who} from the celery-dlock page ({request.remote_addr}): {why}"
         record = backend.release(lease, Outcome.FORCED, "forced", details[:2000])
@@ -202,6 +202,11 @@ def _time(text: str, name: str) -> float:
     except Exception:  # click's BadParameter, with the forms it takes
         abort(400, f"{name}: a duration back from now (10m, 2h, 1d) or an ISO time")
     return value
+
+
+def _same(expected: str, given: str) -> bool:
+    """A constant-time comparison of any text (``compare_digest`` refuses non-ASCII str)."""
+    return hmac.compare_digest(expected.encode("utf-8"), given.encode("utf-8", "replace"))
 
 
 def _checked_key(key: str) -> None:

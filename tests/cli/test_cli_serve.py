@@ -301,6 +301,9 @@ def test_releasing_needs_the_flag_the_secret_and_the_csrf_token(
             == 403
         )  # a form without the cookie: another site's
         assert post(server, jar, {**form, "csrf": csrf, "secret": "guess"})[0] == 403
+        # non-ASCII text was a 500 (compare_digest refuses such str)
+        assert post(server, jar, {**form, "csrf": csrf, "secret": "gehëim"})[0] == 403
+        assert post(server, jar, {**form, "csrf": "ü", "secret": SECRET})[0] == 403
         good = {**form, "csrf": csrf, "secret": SECRET}
         status, text = post(server, jar, {**good, "who": " "})
         assert status == 400 and "who" in text  # who and why are required
