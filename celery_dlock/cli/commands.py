@@ -21,6 +21,7 @@ from celery_dlock.backends.base import LockBackend, server_time
 from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import (
     DURATION,
+    MOST,
     SINCE,
     expires_text,
     holder_text,
@@ -149,7 +150,7 @@ def query_history(
     + ".",
 )
 @click.option("--since", type=SINCE, help="Released since: a duration back (10m, 2h) or ISO time.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=MOST), default=50, show_default=True)
 @click.option("--details", is_flag=True, help="Show each record's details (message, traceback).")
 @JSON
 @guarded
@@ -310,7 +311,7 @@ def _finish(
 @click.command()
 @click.option(
     "--limit",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MOST),
     default=1000,
     show_default=True,
     help="Most leases to clear.",

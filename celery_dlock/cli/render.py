@@ -16,6 +16,8 @@ from celery_dlock.records import Lease, Record
 
 __all__ = [
     "DURATION",
+    "LONGEST",
+    "MOST",
     "SINCE",
     "expires_text",
     "holder_text",
@@ -32,6 +34,10 @@ if TYPE_CHECKING:
 else:  # click < 8.2 has no generic ParamType at run time
     _FloatParam = click.ParamType
 
+#: The longest duration an option takes (100 years): past it, stores and clocks overflow.
+LONGEST = 100 * 365.25 * 86400
+#: The most records or leases a ``--limit`` asks for.
+MOST = 1_000_000
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d|w)")
 _NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -90,6 +96,8 @@ class DurationType(_FloatParam):
         seconds = parse_duration(str(value))
         if seconds is None:
             self.fail(f"{value!r} is not a duration such as 90s, 10m, 1h30m or 2d", param, ctx)
+        if seconds > LONGEST:
+            self.fail(f"{value!r} is longer than 100 years", param, ctx)
         return seconds
 
 
@@ -106,17 +114,21 @@ class SinceType(_FloatParam):
         text = str(value).strip()
         seconds = parse_duration(text)
         if seconds is not None:
-            return datetime.now(timezone.utc).timestamp() - seconds
-        try:
-            moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
-        except ValueError:
-            self.fail(
-                f"{value!r} is neither a duration (10m, 2h, 1d) nor an ISO time "
-                "(2024-05-01T12:00, 2024-05-01T10:00Z)",
-                param,
-                ctx,
-            )
-        return moment.timestamp()  # naive: local time
+            moment = datetime.now(timezone.utc).timestamp() - seconds
+        else:
+            try:
+                iso = text[:-1] + "+00:00" if text.endswith("Z") else text
+                moment = datetime.fromisoformat(iso).timestamp()  # naive: local time
+            except (ValueError, OverflowError, OSError):
+                self.fail(
+                    f"{value!r} is neither a duration (10m, 2h, 1d) nor an ISO time "
+                    "(2024-05-01T12:00, 2024-05-01T10:00Z)",
+                    param,
+                    ctx,
+                )
+        if moment < 0:
+            self.fail(f"{value!r} is before 1970", param, ctx)
+        return moment
 
 
 DURATION = DurationType()

@@ -21,7 +21,7 @@ import click
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.env import Env, UsageFailure, guarded
-from celery_dlock.cli.render import SINCE, human_duration, local_time
+from celery_dlock.cli.render import MOST, SINCE, human_duration, local_time
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = ["COLOURS", "Bar", "render_svg", "timeline"]
@@ -205,7 +205,7 @@ def newest_matching(
 @click.command()
 @click.option("--key", "prefix", help="Only keys starting with this (default: the namespace).")
 @click.option("--since", type=SINCE, default="1h", show_default=True, help="From: 10m, 2h or ISO.")
-@click.option("--limit", type=click.IntRange(min=1), default=5000, show_default=True,
+@click.option("--limit", type=click.IntRange(min=1, max=MOST), default=5000, show_default=True,
               help="At most this many released leases, the newest.")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The file to write: .svg, or .html for a page holding the picture.")  # fmt: skip

@@ -183,6 +183,24 @@ def test_history_rejects_a_bad_since_with_a_usage_error(file_store: CliStore) ->
     assert "'yesterday' is neither a duration" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [  # found by trying the CLI: tracebacks, OverflowError exit 1, or a silent full listing
+        (["history", "--since", "0001-01-01"], "neither a duration"),
+        (["history", "--since", "99999999999999999999d"], "before 1970"),
+        (["history", "--limit", "99999999999999999999"], "not in the range"),
+        (["reap", "--retention", "99999999999999999999d"], "longer than 100 years"),
+        (["timeline", "--since", "0001-01-01", "-o", "x.svg"], "neither a duration"),
+    ],
+)
+def test_out_of_range_times_and_limits_are_usage_errors(
+    pg_store: CliStore, args: list[str], message: str
+) -> None:
+    result = run_cli("--backend", pg_store.url, *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
 # -- release ----------------------------------------------------------------------------------
 
 
