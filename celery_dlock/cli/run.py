@@ -73,9 +73,10 @@ def run(
     words = command[1:] if command[:1] == ("--",) else command
     if not words:
         raise UsageFailure("no command: celery-dlock run KEY -- COMMAND ARGS...")
-    if ttl is None and env.backend.capabilities.liveness == "lease":
+    backend = env.backend
+    if ttl is None and backend.capabilities.liveness == "lease" and backend.default_ttl is None:
         raise UsageFailure(
-            f"the {env.backend.name} store frees a dead holder's key only when its lease "
+            f"the {backend.name} store frees a dead holder's key only when its lease "
             "expires: give --ttl SECONDS (renewed while the command runs)"
         )
     holder = Holder.current(task_name=RUN_TASK)

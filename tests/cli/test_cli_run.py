@@ -235,3 +235,13 @@ def test_a_command_that_cannot_start_exits_127_and_is_recorded_failed(store: Cli
     assert result.returncode == 127 and "/no/such/command" in result.stderr
     [record] = store.backend.history(key=KEY)
     assert record.outcome is Outcome.FAILED and record.problem == "FileNotFoundError"
+
+
+def test_a_ttl_from_the_url_is_enough_on_postgres_with_liveness_ttl(pg_store: CliStore) -> None:
+    # Found by trying the CLI: run demanded --ttl though the URL gave one, as Lock takes it.
+    url = f"{pg_store.url}{'&' if '?' in pg_store.url else '?'}liveness=ttl&ttl=30"
+    result = run_cli("--backend", url, "run", KEY, "--", "true")
+    assert result.returncode == 0, result.stderr
+    [record] = pg_store.backend.history(key=KEY)
+    assert record.outcome is Outcome.SUCCEEDED
+    assert record.lease.expires_at is not None  # it took the URL's ttl
