@@ -21,11 +21,9 @@ from enum import Enum
 from typing import Any
 
 from celery_dlock.errors import LockKeyError
+from celery_dlock.records import MAX_KEY_BYTES
 
 __all__ = ["MAX_KEY_BYTES", "KeyTemplate", "canonical", "validate_key"]
-
-#: Longest key accepted, in UTF-8 bytes.
-MAX_KEY_BYTES = 1024
 
 _FORMATTER = string.Formatter()
 _LITERAL_PLACEHOLDER = re.compile(r"<([A-Za-z_]\w*(?:\.\w+|\[[^\[\]<>{}]+\])*)>")

@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "DETAILS_LIMIT",
+    "MAX_KEY_BYTES",
     "METADATA_LIMIT",
     "Holder",
     "Lease",
@@ -33,6 +34,8 @@ __all__ = [
     "truncate_utf8",
 ]
 
+#: Longest key accepted, in UTF-8 bytes (``keys.validate_key``, the SQL functions).
+MAX_KEY_BYTES = 1024
 #: Upper bound, in UTF-8 bytes, of a record's ``details`` (message + traceback).
 DETAILS_LIMIT = 8192
 _MESSAGE_LIMIT = 2048
@@ -218,12 +221,16 @@ class Holder:
         return self.started is not None and started != self.started
 
     def describe(self) -> str:
-        """A short human description: ``task_name[task_id] on worker (host pid N)``."""
+        """A short human description: ``task_name[task_id] on worker (pid N on host)``;
+        a holder that named itself without a task (the SQL functions' ``sql on <name>``):
+        ``task_name on worker (pid N on host)``."""
         who = f"pid {self.pid} on {self.host}"
         if self.task_id:
             task = f"{self.task_name or 'task'}[{self.task_id}]"
             where = f" on {self.worker}" if self.worker else ""
             return f"{task}{where} ({who})"
+        if self.worker:
+            return f"{self.task_name or 'holder'} on {self.worker} ({who})"
         return who
 
     def to_dict(self) -> dict[str, Any]:

@@ -215,3 +215,25 @@ def test_the_functions_are_security_invoker_and_build_no_sql_from_arguments(
         assert definer is False  # SECURITY INVOKER
         assert config == ["search_path=pg_catalog, pg_temp"]
         assert "EXECUTE" not in source.upper().replace("EXECUTE ON", "")  # no dynamic SQL
+
+
+def test_sql_refuses_keys_python_refuses_and_names_its_holder_as_documented(
+    store: tuple[PostgresBackend, str],
+) -> None:
+    # Found by trying the API: SQL took a key with a newline or over 1024 bytes, which the
+    # CLI then could not even name to release; and leases showed no holder name.
+    backend, schema = store
+    with psycopg.connect(SERVER_URL, autocommit=True) as conn:
+        for key in ["job:a\nb", "job:" + "x" * 1021, "job:" + "é" * 511, "job:\u2028"]:
+            with pytest.raises(psycopg.errors.InvalidParameterValue, match="1024 bytes"):
+                conn.execute(f"SELECT * FROM {schema}.acquire(%s, 'report', 60)", (key,))
+        with pytest.raises(psycopg.errors.NullValueNotAllowed, match="a key and a holder"):
+            conn.execute(f"SELECT * FROM {schema}.acquire('job:k', '', 60)")
+        longest = "job:" + "é" * 510  # 1024 bytes
+        [(token, _)] = conn.execute(
+            f"SELECT * FROM {schema}.acquire(%s, 'nightly report', 60)", (longest,)
+        ).fetchall()
+        lease = backend.get(longest)
+        assert lease is not None and lease.token == token
+        assert lease.holder.describe().startswith("sql on nightly report (pid ")
+        conn.execute(f"SELECT {schema}.release(%s, %s)", (longest, token))

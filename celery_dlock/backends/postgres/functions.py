@@ -19,7 +19,7 @@ import re
 
 from celery_dlock.backends.base import MAX_TTL
 from celery_dlock.backends.postgres.statements import HANDED_OVER, Statements
-from celery_dlock.records import Outcome
+from celery_dlock.records import MAX_KEY_BYTES, Outcome
 
 __all__ = ["functions"]
 
@@ -75,8 +75,12 @@ def functions(statements: Statements) -> list[str]:
   v_old int8;
   v_unlocked boolean;
 BEGIN
-  IF p_key IS NULL OR p_key = '' OR p_holder IS NULL THEN
+  IF p_key IS NULL OR p_key = '' OR p_holder IS NULL OR p_holder = '' THEN
     RAISE EXCEPTION 'acquire needs a key and a holder' USING ERRCODE = '22004';
+  END IF;
+  IF octet_length(p_key) > {MAX_KEY_BYTES} OR p_key ~ '[\x01-\x1f\x7f-\x9f\u2028\u2029]' THEN
+    RAISE EXCEPTION 'a key is at most {MAX_KEY_BYTES} bytes of UTF-8, without control '
+      'characters, as in Python: not %', left(p_key, 60) USING ERRCODE = '22023';
   END IF;
   IF p_ttl IS NOT NULL AND NOT (p_ttl > 0 AND p_ttl <= {MAX_TTL:.0f}) THEN
     RAISE EXCEPTION 'ttl must be seconds > 0 up to {MAX_TTL:.0f} (ten years) or NULL, not %',
