@@ -20,8 +20,8 @@ from decimal import Decimal
 from enum import Enum
 from typing import Any
 
+from celery_dlock.backends.base import MAX_KEY_BYTES
 from celery_dlock.errors import LockKeyError
-from celery_dlock.records import MAX_KEY_BYTES
 
 __all__ = ["MAX_KEY_BYTES", "KeyTemplate", "canonical", "validate_key"]
 

@@ -20,7 +20,6 @@ from typing import Any
 
 __all__ = [
     "DETAILS_LIMIT",
-    "MAX_KEY_BYTES",
     "METADATA_LIMIT",
     "Holder",
     "Lease",
@@ -34,8 +33,6 @@ __all__ = [
     "truncate_utf8",
 ]
 
-#: Longest key accepted, in UTF-8 bytes (``keys.validate_key``, the SQL functions).
-MAX_KEY_BYTES = 1024
 #: Upper bound, in UTF-8 bytes, of a record's ``details`` (message + traceback).
 DETAILS_LIMIT = 8192
 _MESSAGE_LIMIT = 2048
@@ -56,8 +53,7 @@ class Outcome(str, Enum):
     LOST = "lost"
     #: A dedupe mark released because a worker started its task (``until_started``).
     DEQUEUED = "dequeued"
-    #: Released because its holder let go without a release: the Lock object was
-    #: garbage-collected while held, or the process ended normally still holding it.
+    #: Let go without a release: its Lock collected while held, or its process ended.
     ABANDONED = "abandoned"
 
     def __str__(self) -> str:
@@ -221,9 +217,7 @@ class Holder:
         return self.started is not None and started != self.started
 
     def describe(self) -> str:
-        """A short human description: ``task_name[task_id] on worker (pid N on host)``;
-        a holder that named itself without a task (the SQL functions' ``sql on <name>``):
-        ``task_name on worker (pid N on host)``."""
+        """``task_name[task_id] on worker (pid N on host)``; SQL's ``sql on name (pid...)``."""
         who = f"pid {self.pid} on {self.host}"
         if self.task_id:
             task = f"{self.task_name or 'task'}[{self.task_id}]"
@@ -477,15 +471,10 @@ def describe_exception(exc: BaseException) -> tuple[str, str]:
     problem = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
     lines = traceback.format_exception(kind, exc, exc.__traceback__)
     text = "".join(truncate_utf8(line, _LINE_LIMIT) for line in lines)
-    message = truncate_utf8(_message(exc), _MESSAGE_LIMIT)
+    try:  # a broken __str__ must not keep a lease from its release (traceback guards too)
+        said = str(exc)
+    except Exception as failed:
+        said = f"<str() of the exception failed: {type(failed).__name__}>"
+    message = truncate_utf8(said, _MESSAGE_LIMIT)
     details = f"{message}\n{text}" if message else text
     return problem, truncate_utf8(details.rstrip("\n"))
-
-
-def _message(exc: BaseException) -> str:
-    """``str(exc)``, or a note saying it failed: a broken ``__str__`` must not keep a lease
-    from being released and recorded (``traceback`` guards its own call the same way)."""
-    try:
-        return str(exc)
-    except Exception as failed:
-        return f"<str() of the exception failed: {type(failed).__name__}>"

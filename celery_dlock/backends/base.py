@@ -16,6 +16,7 @@ from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = [
+    "MAX_KEY_BYTES",
     "MAX_TTL",
     "AsyncStore",
     "Capabilities",
@@ -66,6 +67,8 @@ class Capabilities:
 #: The longest ttl (ten years): beyond it a store's clock arithmetic overflows (Postgres
 #: intervals, a renewer's timer); a lease that should never expire has ttl None.
 MAX_TTL = 10 * 365 * 86400.0
+#: Longest key accepted, in UTF-8 bytes (``keys.validate_key``, the SQL functions).
+MAX_KEY_BYTES = 1024
 
 
 def validate_ttl(ttl: float | None) -> float | None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import re
 
-from celery_dlock.backends.base import MAX_TTL
+from celery_dlock.backends.base import MAX_KEY_BYTES, MAX_TTL
 from celery_dlock.backends.postgres.statements import HANDED_OVER, Statements
-from celery_dlock.records import MAX_KEY_BYTES, Outcome
+from celery_dlock.records import Outcome
 
 __all__ = ["functions"]
 
