@@ -31,7 +31,19 @@ def postgres_admin() -> Any:
 
 
 def drop_schema(admin: Any, schema: str) -> None:
-    admin.execute("SET lock_timeout = '20s'")
+    """Drop ``schema`` through ``admin``, or through a new connection when ``admin`` was
+    cut: a module's fixture may outlive the exclusive test that restarts the server (seen
+    in CI: a teardown error after every test had passed)."""
+    import psycopg
+
+    try:
+        admin.execute("SET lock_timeout = '20s'")
+    except psycopg.OperationalError:
+        if not (admin.closed or admin.broken):
+            raise
+        with postgres_admin() as fresh:
+            drop_schema(fresh, schema)
+        return
     admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
