@@ -364,11 +364,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             return self._replay(lock, previous)
         except LockLostError as exc:
             held = lock.lease
-            self._finish(lock, Outcome.FAILED, exc)
             if exc.key or held is None:
+                self._finish(lock, Outcome.FAILED, exc)
                 raise
-            # Injected by on_lock_lost="raise" as a bare class: say which lease.
-            raise LockLostError(held.key, held.fence, "renew") from None
+            named = LockLostError(held.key, held.fence, "renew")  # on_lock_lost="raise": a class
+            self._finish(lock, Outcome.FAILED, named.with_traceback(exc.__traceback__))
+            raise named from None
         except BaseException as exc:
             self._finish(lock, outcome_of(exc), exc)
             raise

@@ -185,7 +185,9 @@ def test_on_lock_lost_raise_stops_the_body(
     assert info.value.key == key and info.value.fence == fence
     # The operator's release, then the body's own end, recorded as lost with what it was.
     assert outcomes(store, key) == [Outcome.FORCED, Outcome.LOST]
-    assert str(store.history(key=key)[0].details).startswith("failed not recorded")
+    details = str(store.history(key=key)[0].details)
+    assert details.startswith("failed not recorded")
+    assert f"lease on {key!r} with fence {fence} was lost" in details  # not '' and -1
     # One error line of ours for one lost lease, naming the key, its fence and the task;
     # the release that finds it gone then says so as a warning.
     ours = [r for r in caplog.records if r.name.startswith("celery_dlock")]
