@@ -22,6 +22,7 @@ from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import (
     DURATION,
     MOST,
+    PROBLEM_OUTCOMES,
     SINCE,
     expires_text,
     holder_text,
@@ -42,14 +43,6 @@ __all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "store_now"]
 JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
 
 #: The outcomes ``history --problems`` shows: a lease that did not end the ordinary way.
-PROBLEM_OUTCOMES = (
-    Outcome.FAILED,
-    Outcome.REVOKED,
-    Outcome.DISCONNECTED,
-    Outcome.EXPIRED,
-    Outcome.FORCED,
-    Outcome.LOST,
-)
 
 
 def store_now(backend: LockBackend) -> float:

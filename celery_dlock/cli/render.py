@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from celery_dlock.records import Lease, Record
+from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = [
     "DURATION",
     "LONGEST",
     "MOST",
+    "PROBLEM_OUTCOMES",
     "SINCE",
     "expires_text",
     "holder_text",
@@ -33,6 +34,17 @@ if TYPE_CHECKING:
     _FloatParam = click.ParamType[float]
 else:  # click < 8.2 has no generic ParamType at run time
     _FloatParam = click.ParamType
+
+#: Outcomes worth an operator's look (``history --problems``, the page's filter).
+PROBLEM_OUTCOMES = (
+    Outcome.FAILED,
+    Outcome.REVOKED,
+    Outcome.DISCONNECTED,
+    Outcome.EXPIRED,
+    Outcome.FORCED,
+    Outcome.LOST,
+    Outcome.ABANDONED,  # a Lock dropped while held, or a process that ended holding it
+)
 
 #: The longest duration an option takes (100 years): past it, stores and clocks overflow.
 LONGEST = 100 * 365.25 * 86400

@@ -31,6 +31,7 @@ from werkzeug.exceptions import HTTPException
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.render import (
+    PROBLEM_OUTCOMES,
     SINCE,
     expires_text,
     holder_text,
@@ -46,7 +47,7 @@ __all__ = ["MAX_LIMIT", "Page", "make_app"]
 
 #: The most history records one page asks the store for.
 MAX_LIMIT = 5000
-_PROBLEMS = ("failed", "revoked", "disconnected", "expired", "forced", "lost")
+_PROBLEMS = tuple(outcome.value for outcome in PROBLEM_OUTCOMES)
 _CSRF_COOKIE = "dlock_csrf"
 
 

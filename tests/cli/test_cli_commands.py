@@ -119,10 +119,12 @@ def test_history_filters_by_key_outcome_problems_and_since(store: CliStore) -> N
         ("job:b", Outcome.FAILED, "ValueError"),
         ("job:c", Outcome.RETRIED, None),
         ("job:d", Outcome.DISCONNECTED, "disconnected"),
+        ("job:e", Outcome.ABANDONED, None),  # a problem too (it was left out)
     ]:
         assert store.backend.release(hold(store, key), outcome, problem, f"{key} ended") is not None
 
     assert _history_keys(store) == [
+        ("job:e", "abandoned"),
         ("job:d", "disconnected"),
         ("job:c", "retried"),
         ("job:b", "failed"),
@@ -132,17 +134,19 @@ def test_history_filters_by_key_outcome_problems_and_since(store: CliStore) -> N
     assert _history_keys(store, "--key", "job:a") == [("job:a", "succeeded"), ("job:a", "failed")]
     assert _history_keys(store, "--outcome", "failed") == [("job:b", "failed"), ("job:a", "failed")]
     assert _history_keys(store, "--problems") == [
+        ("job:e", "abandoned"),
         ("job:d", "disconnected"),
         ("job:b", "failed"),
         ("job:a", "failed"),
     ]
     assert _history_keys(store, "--problems", "--limit", "2") == [
+        ("job:e", "abandoned"),
         ("job:d", "disconnected"),
-        ("job:b", "failed"),
     ]
     assert ("job:a", "failed") not in _history_keys(store, "--since", "1h")
     an_hour_ago = datetime.fromtimestamp(time.time() - 3600).isoformat(timespec="seconds")
     assert _history_keys(store, "--problems", "--since", an_hour_ago) == [
+        ("job:e", "abandoned"),
         ("job:d", "disconnected"),
         ("job:b", "failed"),
     ]
