@@ -13,9 +13,13 @@ steps: one try at the key, then a wait of at most ``SLICE`` seconds on the store
 (Postgres's queue of waiters, Redis's wake-up list, inotify), then the next try. A
 cancelled waiter therefore lets go within one step, and nothing it was granted meanwhile
 stays held: a try under way when its caller is cancelled runs to its end, and a lease it
-got is released (``revoked``); a place in a store's queue is left. Renewal is an asyncio
-task. The lease and its record are those of a :class:`Lock`, on the same stores; a success
-that ``once`` keeps is released as :class:`Lock` does, with its retries, in the pool.
+got is released (``revoked``) before the cancel is raised; a place in a store's queue is
+left. A release, once started, likewise ends before a cancel (or several) is raised; a
+cancelled read or renewal lets its call to the store end in the background (on Postgres
+that call runs on the loop's shared lock session). Renewal is an asyncio task. The lease
+and its record are those of a :class:`Lock`, on the same stores; a success that ``once``
+keeps is released as :class:`Lock` does, with its retries, in the pool. One AsyncLock is
+for one task at a time: another task's acquire meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -36,9 +40,8 @@ from celery_dlock import metrics, releasing
 from celery_dlock.backends.base import AsyncStore, LockBackend, Place, remembered, validate_ttl
 from celery_dlock.errors import BackendError, ConfigurationError, DLockError, LockLostError
 from celery_dlock.events import fields
-from celery_dlock.lock import DEFAULT, Lock, _Default, end_block, validate_wait
+from celery_dlock.lock import DEFAULT, Lock, _Default, validate_wait
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
-from celery_dlock.releasing import Ending
 from celery_dlock.renewal import report_lost
 
 __all__ = ["OFFLOAD_THREADS", "SLICE", "WAIT_THREADS", "AsyncLock", "alock"]
@@ -100,6 +103,16 @@ def _adopt(done: concurrent.futures.Future[Any], orphan: Callable[[Any], object]
         _pool().submit(orphan, result)  # never on the event loop's thread
 
 
+async def _shielded(call: Awaitable[T]) -> T:
+    """``call`` in a task of its own, which goes on when the awaiting coroutine is cancelled
+    (the cancel is raised at once): a statement on Postgres's lock session, which the loop's
+    leases share, is never cancelled halfway (cancelled twice, psycopg closes the session)."""
+    task = asyncio.ensure_future(call)
+    _callbacks.add(task)  # kept until done: the loop holds tasks only weakly
+    task.add_done_callback(_callbacks.discard)
+    return await asyncio.shield(task)
+
+
 class AsyncLock:
     """A lock on one key of one backend, for coroutines: the arguments, leases, records
     and errors of :class:`Lock`; ``on_lost`` may be a coroutine function (it then runs as
@@ -128,9 +141,9 @@ class AsyncLock:
         self.on_lost = on_lost
         self.renew_in_background = self._lock.ttl is not None if renew is None else renew
         self._renewal: asyncio.Task[None] | None = None
-        self._renewing: concurrent.futures.Future[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lost = False
+        self._acquiring = False  # an acquire or attempt is under way, in some task
 
     @property
     def backend(self) -> LockBackend:
@@ -161,9 +174,9 @@ class AsyncLock:
             LockNotAcquiredError: the key is held and ``wait`` is 0.
             LockTimeoutError: the key was still held after ``wait`` seconds.
             BackendError: the store failed.
+            ConfigurationError: this AsyncLock is held, or another task is acquiring it.
         """
-        if self._lock.lease is not None:
-            raise ConfigurationError(f"lock {self.key!r} is already held by this AsyncLock")
+        self._claim()
         limit = self._lock.wait if wait is DEFAULT else validate_wait(wait)
         deadline = None if limit is None else time.monotonic() + limit
         self._loop = asyncio.get_running_loop()
@@ -186,22 +199,62 @@ class AsyncLock:
                 else:
                     place = await self._store.wait(on, pause, place)
         finally:
+            self._acquiring = False
             if place is not None and self._store is not None:
                 place.leave()  # the asyncio client's: left by a task of the loop
             elif place is not None:
                 _pool().submit(place.leave)
 
+    def _claim(self) -> None:
+        """Mark this AsyncLock as being acquired, checked and marked in one step of the
+        loop: another task's acquire meanwhile is refused before it tries the store."""
+        if self._lock.lease is not None:
+            raise ConfigurationError(f"lock {self.key!r} is already held by this AsyncLock")
+        if self._acquiring:
+            raise ConfigurationError(
+                f"lock {self.key!r}: another task is acquiring this AsyncLock (one task at a time)"
+            )
+        self._acquiring = True
+
     async def _attempt(self, place: Place | None) -> Lease | None:
         """One try at the key (each slot, with a ``limit``), through the store's asyncio
-        client or the pool. A lease granted after the caller was cancelled is released."""
+        client or the pool. A try under way when the caller is cancelled runs to its end,
+        and a lease it got is released (``revoked``) before the cancel is raised."""
         if self._store is None:
-            return await _off(self._lock.attempt, place, orphan=self._release_orphan)
-        trying = asyncio.ensure_future(self._try(self._store, place))
+            submitted = _pool().submit(self._lock.attempt, place)
+            trying = self._through(asyncio.wrap_future(submitted), stop=submitted.cancel)
+        else:
+            trying = self._through(self._try(self._store, place))
         try:
-            return await asyncio.shield(trying)
+            return await trying
         except asyncio.CancelledError:
-            trying.add_done_callback(self._release_cancelled)
+            lease = self.lease
+            if lease is not None:  # got by the try, which no other task shares (_claim)
+                await self._revoke(lease)
             raise
+
+    async def _through(self, work: Awaitable[T], stop: Callable[[], object] | None = None) -> T:
+        """``work``, in a task of its own, to its end even if the awaiting coroutine is
+        cancelled meanwhile, once or more: the cancel is raised after it (an error of
+        ``work`` is logged: a cancel always propagates). ``stop``, called at the first
+        cancel, may end it sooner (a call still in a pool's queue)."""
+        task = asyncio.ensure_future(work)
+        cancelled: asyncio.CancelledError | None = None
+        while not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError as exc:
+                if cancelled is None and stop is not None:
+                    stop()
+                cancelled = exc
+        if cancelled is None:
+            return task.result()
+        if not task.cancelled() and (error := task.exception()) is not None:
+            extra = fields("cancelled_call_failed", self.lease, key=self.key)
+            logger.error(
+                "%s: a call whose caller was cancelled failed: %s", self.key, error, extra=extra
+            )
+        raise cancelled
 
     async def _try(self, store: AsyncStore, place: Place | None) -> Lease | None:
         lock = self._lock
@@ -223,10 +276,12 @@ class AsyncLock:
 
     async def attempt(self) -> Lease | None:
         """One try, without waiting: the lease, now held, or None."""
-        if self._lock.lease is not None:
-            raise ConfigurationError(f"lock {self.key!r} is already held by this AsyncLock")
+        self._claim()
         self._loop = asyncio.get_running_loop()
-        lease = await self._attempt(None)
+        try:
+            lease = await self._attempt(None)
+        finally:
+            self._acquiring = False
         if lease is not None:
             self._start_renewal()
         return lease
@@ -243,7 +298,7 @@ class AsyncLock:
         if lease is None:
             raise ConfigurationError(f"lock {self.key!r} is not held by this AsyncLock")
         new_ttl = self._lock.ttl if ttl is DEFAULT else validate_ttl(ttl)
-        return self._lock.renewed(await self._store.renew(lease, new_ttl))
+        return self._lock.renewed(await _shielded(self._store.renew(lease, new_ttl)))
 
     async def release(
         self,
@@ -253,21 +308,24 @@ class AsyncLock:
         result: Any = None,
     ) -> Record | None:
         """Release the lease and record how it ended (see :meth:`Lock.release`). Once
-        started, the release finishes even if this coroutine is cancelled."""
-        lease = self.lease
-        store = self._store
+        started, the release finishes even if this coroutine is cancelled (once or more):
+        the cancel is raised after it."""
+        return await self._through(self._release(outcome, problem, details, result))
+
+    async def _release(
+        self, outcome: Outcome, problem: str | None, details: str | None, result: Any
+    ) -> Record | None:
+        """Stop renewing, then release: through the store's asyncio client, or the pool."""
+        await self._stop_renewal()
+        lease, store = self.lease, self._store
         if (
             store is None
             or lease is None
             or remembered(outcome, result, lease.holder.task_name) is not None
         ):
             # A success that ``once`` keeps is stored with retries: Lock's, in the pool.
-            return await self._end(self._lock.release, outcome, problem, details, result)
-        await self._stop_renewal()
+            return await _off(self._lock.release, outcome, problem, details, result)
         ending = self._lock.ending(outcome, problem, details, result)
-        return await asyncio.shield(asyncio.ensure_future(self._release(store, ending)))
-
-    async def _release(self, store: AsyncStore, ending: Ending) -> Record | None:
         lease = ending.lease
         started = time.perf_counter()
         try:
@@ -285,18 +343,22 @@ class AsyncLock:
             return releasing.settle(self.backend, ending, record)
         return await _off(releasing.settle, self.backend, ending, None)  # lost: recorded so
 
-    async def _end(self, call: Callable[..., T], *args: Any) -> T:
-        """Stop renewing, then ``call(*args)`` (a release) in the pool: once started it
-        finishes even if this coroutine is cancelled."""
-        await self._stop_renewal()
-        future = _pool().submit(call, *args)
-        return await asyncio.shield(asyncio.wrap_future(future))
+    async def _revoke(self, lease: Lease) -> None:
+        """Release ``lease``, got by an acquire whose coroutine was cancelled."""
+        why = "the acquiring coroutine was cancelled"
+        try:
+            await self.release(Outcome.REVOKED, "CancelledError", why)
+        except DLockError as exc:
+            extra = fields("release_failed", lease, outcome=Outcome.REVOKED)
+            logger.error(
+                "could not release %s after a cancelled acquire: %s", lease.key, exc, extra=extra
+            )
 
     async def current(self) -> Lease | None:
         """The lease on this key now, whoever holds it, or None."""
         if self._store is None or self._lock.limit > 1:
             return await _off(self._lock.current)
-        return await self._store.get(self.key)
+        return await _shielded(self._store.get(self.key))
 
     async def holders(self) -> list[Lease]:
         """Every lease on this key now (on each slot, with a ``limit``)."""
@@ -316,11 +378,7 @@ class AsyncLock:
         while True:
             await asyncio.sleep(ttl / 3)
             try:
-                if self._store is None:
-                    self._renewing = _pool().submit(self._lock.renew)
-                    await asyncio.wrap_future(self._renewing)
-                else:
-                    await self.renew()
+                await self._through(self.renew())  # a cancel waits for it: see _stop_renewal
             except LockLostError:
                 self._lose()
                 return
@@ -340,15 +398,12 @@ class AsyncLock:
             renewed_at = time.monotonic()
 
     async def _stop_renewal(self) -> None:
-        """Stop renewing, and let a renewal under way finish, so that none races the release
-        (one on the store's asyncio client ends with the renewal task)."""
+        """Stop renewing, and let a renewal under way finish (it ends with the renewal
+        task), so that none races the release."""
         task, self._renewal = self._renewal, None
-        if task is not None and task is not asyncio.current_task():
+        if task is not None:
             task.cancel()
             await asyncio.wait([task])
-        renewing, self._renewing = self._renewing, None
-        if renewing is not None and not renewing.done():
-            await asyncio.wait([asyncio.wrap_future(renewing)])
 
     def _lose(self) -> None:
         self._lost = True
@@ -372,29 +427,6 @@ class AsyncLock:
             _callbacks.add(task)  # kept until done: the loop holds tasks only weakly
             task.add_done_callback(_callbacks.discard)
 
-    def _release_cancelled(self, trying: asyncio.Future[Lease | None]) -> None:
-        """Done callback of a try whose caller was cancelled: its lease, if it got one, is
-        released (``revoked``) by a task of its own."""
-        if trying.cancelled() or trying.exception() is not None or trying.result() is None:
-            return
-        task = asyncio.ensure_future(
-            self.release(Outcome.REVOKED, "CancelledError", "the acquiring coroutine was cancelled")
-        )
-        _callbacks.add(task)
-        task.add_done_callback(_callbacks.discard)
-
-    def _release_orphan(self, lease: Lease) -> None:
-        """A lease granted to an acquire whose coroutine was cancelled meanwhile."""
-        try:
-            self._lock.release(
-                Outcome.REVOKED, "CancelledError", "the acquiring coroutine was cancelled"
-            )
-        except DLockError as exc:
-            extra = fields("release_failed", lease, outcome=Outcome.REVOKED)
-            logger.error(
-                "could not release %s after a cancelled acquire: %s", lease.key, exc, extra=extra
-            )
-
     # -- async with -----------------------------------------------------------------------
 
     async def __aenter__(self) -> Lease:
@@ -413,8 +445,6 @@ class AsyncLock:
             await self.release(
                 Outcome.REVOKED, "CancelledError", "the coroutine holding the lock was cancelled"
             )
-        elif self._store is None:  # the end of a sync ``with`` block, run off the loop
-            await self._end(end_block, self._lock.release, first, exc)
         elif exc is not None:
             await self.release(Outcome.FAILED, *describe_exception(exc))
         elif await self.release() is None:
