@@ -18,14 +18,17 @@ worker releases it by that lease's token, never by key alone:
   or a re-queue for a busy body lock) is the same logical task and keeps the mark.
 
 A message that is part of a workflow (it carries the rest of a chain, callbacks, or belongs
-to a group or chord) is always sent, without a mark: not sending it would drop the rest of
-the chain, or leave the group waiting for a result under an id that never runs. The body
-lock still guards it.
+to a group or chord), or continues one (a chain's next step, a callback, a ``Task.replace``,
+which Celery sends under an id frozen in advance), is always sent, without a mark: not
+sending it would drop the rest of the chain, or leave a result the caller holds waiting
+under an id that never runs. The body lock still guards it.
 
 A message revoked before it ran releases its mark at once: a plain revoke from the worker
 that gets the broadcast (:mod:`celery_dlock.celery.revoking`), or
-``task.revoke_queued(*args, **kwargs)`` by the arguments (``revoked``); an expired message
-releases it when a worker discards it (``expired``); a
+``task.revoke_queued(*args, **kwargs)`` by the arguments (``revoked``), neither of which
+touches the mark of a running task; an expired message releases it when a worker discards
+it (``expired``), and the mark of a message with ``expires`` ends with that expiry while it
+is queued (RabbitMQ drops an expired message itself: no worker sees it); a
 child that died mid-task releases it from the parent (``disconnected``); a send that fails
 releases it before ``apply_async`` raises (``failed``). ``send_task`` by name does not pass
 through the task class, so it is not guarded at enqueue; the body lock still guards the run.
@@ -36,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from celery.exceptions import Retry
@@ -47,6 +51,7 @@ from celery_dlock.celery.settings import settings
 from celery_dlock.errors import BackendError, DuplicateTaskError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
+from celery_dlock.process import shared_backend
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = [
@@ -76,6 +81,9 @@ _ATTEMPTS = 3
 #: Seconds a mark lives while its message is being sent: a producer killed before the send
 #: blocks the key this long at most on stores without holder liveness (Redis, S3, GCS).
 SEND_TTL = 60.0
+#: Seconds a mark of a message with ``expires`` outlives that expiry: no worker starts the
+#: message later, and a duplicate after it must be sent, not coalesced into a message gone.
+EXPIRY_GRACE = 1.0
 
 
 def mark_key(lock_key: str, task_name: str) -> str:
@@ -146,25 +154,54 @@ def _hand_over(mark: Lock, lease: Lease, ttl: float) -> None:
         )
 
 
-#: Options of a message that is part of a workflow (a chain's rest, callbacks, a group).
-_WORKFLOW = ("chain", "link", "link_error", "group_id", "chord")
+#: Options of a message that carries or belongs to a workflow (callbacks, a group, a chord).
+_WORKFLOW = ("link", "link_error", "group_id", "chord")
+#: Options that only Celery's own machinery passes when it sends the next step of a
+#: workflow under an id frozen in advance, which a result the caller holds waits for: a
+#: chain's step (``chain``: an empty list for the last step, or a chain of one), a callback
+#: or errback sent by the worker (``parent_id``), a ``Task.replace`` (``root_id``).
+_CONTINUATION = ("parent_id", "root_id")
 
 
 def in_workflow(options: dict[str, Any]) -> bool:
-    """Whether the message of ``options`` carries or belongs to a workflow."""
-    return any(options.get(name) for name in _WORKFLOW)
+    """Whether the message of ``options`` carries, belongs to or continues a workflow."""
+    return (
+        options.get("chain") is not None
+        or any(options.get(name) for name in _WORKFLOW)
+        or any(options.get(name) for name in _CONTINUATION)
+    )
 
 
 def _ttl(task: Any, default: float, options: dict[str, Any]) -> float:
-    """The mark lives ``dedupe_ttl`` past the message's countdown or eta."""
+    """The mark lives ``dedupe_ttl`` past the message's countdown or eta, and no longer
+    than the message can be started: to its ``expires`` (a broker may drop an expired
+    message itself, as RabbitMQ does: no worker ever sees it), plus ``EXPIRY_GRACE``."""
     ttl = float(task.dedupe_ttl) if task.dedupe_ttl is not None else default
     countdown = options.get("countdown")
-    eta = options.get("eta")
-    if isinstance(countdown, (int, float)):
+    if isinstance(countdown, (int, float)) and not isinstance(countdown, bool):
         ttl += max(0.0, float(countdown))
-    elif eta is not None and hasattr(eta, "timestamp"):
-        ttl += max(0.0, eta.timestamp() - time.time())
+    else:
+        ttl += max(0.0, _seconds_until(options.get("eta")) or 0.0)
+    expires = _seconds_until(options.get("expires", getattr(task, "expires", None)), now=True)
+    if expires is not None:
+        ttl = min(ttl, max(0.0, expires) + EXPIRY_GRACE)
     return ttl
+
+
+def _seconds_until(when: Any, *, now: bool = False) -> float | None:
+    """Seconds from now to ``when``: a datetime (naive: local time, as Celery's worker reads
+    it), an ISO 8601 string (a message's own ``eta``/``expires``), or with ``now`` a number
+    of seconds from now (Celery's ``expires=60``); None for anything else."""
+    if isinstance(when, str):
+        try:
+            when = datetime.fromisoformat(when)
+        except ValueError:
+            return None
+    if isinstance(when, datetime):
+        return when.timestamp() - time.time()
+    if now and isinstance(when, (int, float)) and not isinstance(when, bool):
+        return float(when)
+    return None
 
 
 def _duplicate(task: Any, key: str, queued: Lease) -> Any:
@@ -202,17 +239,48 @@ def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
     if task.dedupe == "until_started":
         return _run_until_started(task, mark, run, where)
     ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
+    expires = getattr(task.request, "expires", None)
+    if expires is not None:  # taken: the message can no longer expire, its run may be long
+        _extend(task, mark, _dedupe_ttl(task))
+    started = False
+
+    def on_held() -> None:
+        nonlocal started
+        started = True
+
+    task.request.dlock_on_held = on_held
     try:
-        return run()
+        result = run()
+        if not started:  # on_locked="skip" or a callable: the body never ran
+            ended = (Outcome.SKIPPED, f"its body did not run on {where}: the key was busy")
+        return result
     except Retry:
         ended = None
+        left = _seconds_until(expires)
+        if left is not None:  # the next attempt's message expires when this one did
+            _extend(task, mark, max(0.0, left) + EXPIRY_GRACE)
         raise
     except BaseException as exc:
         ended = (outcome_of(exc), f"ended on {where} by {type(exc).__name__}: {exc}")
         raise
     finally:
+        task.request.dlock_on_held = None
         if ended is not None:
             end_mark(task, mark, *ended)
+
+
+def _dedupe_ttl(task: Any) -> float:
+    return float(task.dedupe_ttl) if task.dedupe_ttl is not None else settings(task.app).dedupe_ttl
+
+
+def _extend(task: Any, mark: Lease, ttl: float) -> None:
+    """Make ``mark`` end ``ttl`` seconds from now, by its token; a store error is logged
+    (the mark then ends when it would have)."""
+    try:
+        shared_backend(settings(task.app).backend).hand_over(mark, ttl)
+    except BackendError as exc:
+        extra = fields("extend_failed", mark)
+        logger.error("could not extend the dedupe mark %s: %s", mark.key, exc, extra=extra)
 
 
 def _run_until_started(task: Any, mark: Lease, run: Callable[[], Any], where: str) -> Any:
@@ -288,7 +356,10 @@ def release_mark(
 
 def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Revoke the message queued under ``task``'s mark for these arguments and release the
-    mark at once (recorded ``revoked``), so that the next ``apply_async`` sends again.
+    mark at once (recorded ``revoked``), so that the next ``apply_async`` sends again. The
+    mark of a task that runs (``until_finished``: the store holds a body lease of its id,
+    or one kept for its retry) is left alone, as a plain revoke leaves it: a revoke does not
+    stop a running task, and a duplicate sent meanwhile would run after it.
 
     Returns:
         the id of the task revoked, or None when no message was queued under a mark.
@@ -297,11 +368,26 @@ def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
     key = mark_key(task.lock_key_for(args, kwargs, current.namespace), task.name)
     lock = Lock(current.backend, key)
     mark = lock.current()
-    if mark is None or mark.holder.task_id is None:
+    if (
+        mark is None
+        or mark.holder.task_id is None
+        or _runs(task, mark.holder.task_id, args, kwargs)
+    ):
         return None
     task.app.control.revoke(mark.holder.task_id)
     release_mark(lock, mark, Outcome.REVOKED, None, "revoked while queued (revoke_queued)")
     return mark.holder.task_id
+
+
+def _runs(task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the store holds a body lease of ``task_id`` on ``task``'s keys for these
+    arguments (on any of its slots, with a ``lock_limit``)."""
+    backend = settings(task.app).backend
+    return any(
+        lease.holder.task_id == task_id
+        for key in task.lock_keys_for(args, kwargs)
+        for lease in Lock(backend, key, limit=task.lock_limit).holders()
+    )
 
 
 def end_mark_of_attempt(

@@ -337,8 +337,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             request.dlock_lock = None
 
     def _started(self, request: Any) -> None:
-        """The body is about to run: an ``until_started`` mark ends now (see dedupe)."""
-        if self.dedupe != "until_started":
+        """The body is about to run: an until_started mark ends, an until_finished one knows."""
+        if self.dedupe is None:
             return  # no look at the request: a missing attribute costs an exception
         on_held = getattr(request, "dlock_on_held", None)
         if on_held is not None:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -227,14 +228,21 @@ def test_a_send_that_fails_releases_the_mark_before_apply_async_raises(worker: W
     sent.get(timeout=60)
 
 
-def test_a_countdown_lengthens_the_marks_ttl(worker: Worker) -> None:
+@pytest.mark.parametrize("delay", ["countdown", "eta", "eta as an ISO string"])
+def test_a_countdown_or_eta_lengthens_the_marks_ttl(worker: Worker, delay: str) -> None:
     who = customer()
-    queued = worker.tasks.sync.apply_async((who, 0), countdown=30)
+    eta = datetime.now(UTC) + timedelta(seconds=30)
+    options: dict[str, Any] = {
+        "countdown": {"countdown": 30},
+        "eta": {"eta": eta},
+        "eta as an ISO string": {"eta": eta.isoformat()},  # Celery takes this form too
+    }[delay]
+    queued = worker.tasks.sync.apply_async((who, 0), **options)
     mark = worker.store.get(mark_of("w.sync", f"sync:{who}"))
     assert mark is not None and mark.expires_at is not None
     assert mark.holder.task_id == queued.id
     lives = mark.expires_at - mark.acquired_at
-    assert 3600 + 29 < lives < 3600 + 31  # dlock_dedupe_ttl past the countdown
+    assert 3600 + 28 < lives < 3600 + 31  # dlock_dedupe_ttl past the countdown or eta
     worker.app.control.revoke(queued.id)
 
 

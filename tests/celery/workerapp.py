@@ -245,6 +245,19 @@ def report(
     return {"fence": self.lease.fence}
 
 
+@app.task(
+    shared=False,
+    base=LockedTask,
+    bind=True,
+    name="w.report_or_skip",
+    lock_key="report:{customer}",
+    dedupe="until_finished",
+    on_locked="skip",
+)
+def report_or_skip(self: Any, customer: str) -> dict[str, Any]:
+    return _body(self, 0)
+
+
 def _coalesced(task: Any, key: str, queued_id: str | None) -> dict[str, Any]:
     """An ``on_duplicate`` callable: what a duplicate ``apply_async`` returns instead."""
     return {"task": task.name, "mark": key, "queued": queued_id}
