@@ -8,6 +8,11 @@ control command (what ``AsyncResult.revoke()``, ``app.control.revoke(id)``,
 handling, the worker looks up, off its event loop, the marks in its app's lock store whose
 holder is a revoked task id, and releases each by its token, recorded ``revoked``.
 
+A lease an attempt kept for its retry (``lock_across_retries``) goes the same way when the
+retry's message is revoked before it ran, by the token in that message's header, recorded
+``revoked``: at once where a worker holds the message (a retry's countdown), else when a
+worker discards it (``task_revoked``). It used to stay for the backstop, countdown + 5 min.
+
 A mark is left alone while its task runs (a revoke without ``terminate`` does not stop a
 running task, and ``until_finished`` holds the mark until the body ends): when this worker
 runs it, or when the store holds a body lease of that task id. Every worker gets the
@@ -26,6 +31,7 @@ from celery.worker import state as worker_state
 from celery.worker.control import Panel
 
 from celery_dlock.backends.base import LockBackend
+from celery_dlock.celery.busy import RETRY_HEADER, header
 from celery_dlock.celery.dedupe import release_mark
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import DLockError
@@ -34,7 +40,7 @@ from celery_dlock.lock import Lock
 from celery_dlock.process import shared_backend
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["install", "release_marks_of"]
+__all__ = ["install", "kept_token", "release_kept", "release_marks_of"]
 
 logger = logging.getLogger("celery_dlock.dedupe")
 
@@ -55,10 +61,11 @@ def install(sender: Any = None, **_: Any) -> None:
             reply = handler(state, task_id, *args, **kwargs)
             ids = {str(each) for each in maybe_list(task_id) or []}
             target = getattr(state, "app", None) or app
-            if ids and target is not None and _dedupes(target):
+            retries = _waiting_retries(ids)
+            if ids and target is not None and (retries or _dedupes(target)):
                 threading.Thread(
-                    target=release_marks_of,
-                    args=(target, ids),
+                    target=_release_revoked,
+                    args=(target, ids, retries),
                     name="dlock-revoke",
                     daemon=True,
                 ).start()
@@ -67,6 +74,57 @@ def install(sender: Any = None, **_: Any) -> None:
         revoke.dlock_wrapped = True  # type: ignore[attr-defined]
         revoke.__doc__ = handler.__doc__
         Panel.data["revoke"] = revoke
+
+
+def _waiting_retries(task_ids: set[str]) -> list[Any]:
+    """This worker's requests of ``task_ids`` not running (scheduled for their countdown, or
+    reserved) that carry the token of a lease kept for them."""
+    # Not ``requests`` by id: a retry's entry there goes when its first attempt ends.
+    waiting = [*worker_state.scheduled_requests, *worker_state.reserved_requests]
+    active = set(worker_state.active_requests)
+    return [
+        request
+        for request in waiting
+        if request.id in task_ids and request not in active and kept_token(request) is not None
+    ]
+
+
+def _release_revoked(app: Any, task_ids: set[str], retries: list[Any]) -> None:
+    for request in retries:
+        task = app.tasks.get(request.name)
+        if task is not None:
+            release_kept(task, request, Outcome.REVOKED, "revoked before its retry ran")
+    if _dedupes(app):
+        release_marks_of(app, task_ids)
+
+
+def kept_token(request: Any) -> str | None:
+    """The token of the lease kept for the retry that a worker's ``request`` is."""
+    found = getattr(request, "request_dict", None)  # a worker's Request; else a Context
+    token = found.get(RETRY_HEADER) if isinstance(found, dict) else header(request, RETRY_HEADER)
+    return token if isinstance(token, str) and token else None
+
+
+def release_kept(task: Any, request: Any, outcome: Outcome, why: str) -> Record | None:
+    """Release the lease kept for ``request``, a retry that will not run, by its token."""
+    token = kept_token(request)
+    if token is None or not callable(getattr(task, "lock_keys_for", None)):
+        return None
+    try:
+        backend = settings(task.app).backend
+        keys = task.lock_keys_for(tuple(request.args or ()), dict(request.kwargs or {}))
+        locks = [Lock(backend, key, limit=getattr(task, "lock_limit", 1)) for key in keys]
+        found = [(lock, lease) for lock in locks for lease in lock.holders()]
+        for lock, lease in found:
+            if lease.token == token:
+                details = f"{why}: the lease its attempt kept for it is released"
+                return lock.end(lease, outcome, None, details)
+    except DLockError as exc:
+        extra = fields("release_failed", task_id=request.id)
+        logger.error(
+            "cannot release the lease kept for %s[%s]: %s", task.name, request.id, exc, extra=extra
+        )
+    return None
 
 
 def _dedupes(app: Any) -> bool:

@@ -102,7 +102,8 @@ def _task_revoked(
     why = "expired before it ran" if expired else "revoked"
     args, kwargs = request.args, request.kwargs
     end_mark_of_attempt(sender, request.id, args=args, kwargs=kwargs, outcome=outcome, details=why)
-    if not terminated:
+    if not terminated:  # a retry's message that will not run: the lease kept for it goes
+        revoking.release_kept(sender, request, outcome, f"{why} (a retry)")
         return
     reason = f"revoked and terminated with signal {signum}"
     _release_later(

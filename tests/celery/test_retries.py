@@ -115,3 +115,30 @@ def test_warm_shutdown_releases_a_lease_kept_for_a_retry(
         assert record.outcome is Outcome.RETRIED and record.problem == "WorkerShutdown"
     finally:
         store.close()
+
+
+def test_a_revoked_retry_releases_the_lease_kept_for_it(
+    tmp_path: Path, redis_url: str, lock_url: str
+) -> None:
+    """A retry revoked while it waits for its countdown will not run: the lease its attempt
+    kept for it goes at once, by the token in the retry's header, recorded ``revoked`` (it
+    stayed for countdown + 5 minutes, the key busy for every other run)."""
+    order = uuid.uuid4().hex[:8]
+    key = f"job:later:{order}"
+    with running(tmp_path, redis_url, lock_url) as worker:
+        result = worker.tasks.later.delay(order)
+        kept: Lease = eventually(
+            lambda: (lease := worker.store.get(key)) and lease.expires_at and lease,
+            "the lease kept for the retry",
+        )
+        result.revoke()
+        [record] = eventually(
+            lambda: [r for r in worker.store.history(key=key) if r.lease.token == kept.token],
+            "the kept lease's record",
+        )
+        assert record.outcome is Outcome.REVOKED, record
+        assert "retry" in (record.details or "")
+        assert worker.store.get(key) is None
+        lease = worker.store.try_acquire(key, Holder.current(), None)  # the key is free
+        assert lease is not None
+        worker.store.release(lease, Outcome.SUCCEEDED)
