@@ -61,6 +61,7 @@ from celery_dlock.backends.objectstore import (
     UnsureWrite,
     Written,
 )
+from celery_dlock.backends.objectstore.store import checked_option
 from celery_dlock.errors import BackendError, ConfigurationError
 
 __all__ = ["GCSBackend"]
@@ -89,10 +90,15 @@ class GCSBackend(ObjectStoreBackend):
         clock: MonotonicClock | None = None,
     ) -> None:
         super().__init__(bucket, prefix, gc_after=gc_after, clock=clock)
+        if endpoint is not None and urlsplit(endpoint).scheme not in ("http", "https"):
+            raise ConfigurationError(
+                f"option 'endpoint' of the gcs backend must be an http:// or https:// URL, "
+                f"not {endpoint!r}"
+            )
         self.endpoint = endpoint
         self.project = project
         self.anonymous = anonymous
-        self.timeout = float(timeout)
+        self.timeout = float(checked_option("gcs", "timeout", timeout, least=0, above=True))
         self.url = f"gs://{bucket}/{self.prefix}"
 
     @classmethod
@@ -185,6 +191,8 @@ class GCSStore(ObjectStore):
         self.dates = dates
         self.timeout = timeout
         self.where = where
+        #: A request succeeded on the bucket: it exists (``_check_bucket``).
+        self._bucket_seen = False
         # Our writes are all conditional, so retrying any of them is safe; a retry of a
         # write that had landed gets 412, which the core settles by reading back. Lock
         # calls wait on this: first retry after 0.1 s (the library's default is 1 s).
@@ -201,10 +209,40 @@ class GCSStore(ObjectStore):
         try:
             body = blob.download_as_bytes(timeout=self.timeout, retry=self.retry)
         except google_errors.NotFound:
-            return Found(None, None, self.dates.stamp())
+            missing = Found(None, None, self.dates.stamp())
+            self._check_bucket(name)
+            return missing
         except _FAILURES as exc:
             raise self._failed(f"GET {name}", exc) from exc
+        self._bucket_seen = True
         return Found(bytes(body), str(blob.generation), self.dates.stamp())
+
+    def _check_bucket(self, name: str) -> None:
+        """Make sure the bucket exists, once per process, after a read answered 404: GCS
+        answers 404 alike for a missing object and a missing bucket, and a misspelt bucket
+        must not look like a free key. A listing (which the janitor needs anyway) tells
+        them apart by its own 404; one forbidden to these credentials proves nothing."""
+        if self._bucket_seen:
+            return
+        try:
+            for _ in self.client.list_blobs(
+                self.bucket, prefix=name, max_results=1, timeout=self.timeout, retry=self.retry
+            ):
+                break
+        except google_errors.NotFound as exc:
+            raise self._no_bucket(exc) from exc
+        except google_errors.Forbidden:
+            pass
+        except _FAILURES as exc:
+            raise self._failed(f"LIST {name}", exc) from exc
+        self._bucket_seen = True
+
+    def _no_bucket(self, exc: Exception) -> BackendError:
+        return BackendError(
+            f"the GCS bucket {self.bucket.name!r} does not exist, or these credentials "
+            f"cannot see it ({type(exc).__name__}: {getattr(exc, 'code', '')})",
+            self.where,
+        )
 
     def create(self, name: str, body: bytes) -> Written:
         return self._upload(name, body, 0)
@@ -225,12 +263,15 @@ class GCSStore(ObjectStore):
             )
         except google_errors.PreconditionFailed:
             return Written(None, self.dates.stamp())
+        except google_errors.NotFound as exc:  # an upload's 404 is the bucket's
+            raise self._no_bucket(exc) from exc
         except _FAILURES as exc:
             code = getattr(exc, "code", None)
             if isinstance(code, int) and code < 500 and code not in (408, 429):
                 raise self._failed(f"PUT {name}", exc) from exc
             # A timeout, a reset or a 5xx: the upload may have taken effect.
             raise UnsureWrite(f"GCS PUT {name} failed: {exc}", self.where) from exc
+        self._bucket_seen = True
         # ``updated`` is the server's time at which this write took effect.
         return Written(str(blob.generation), self.dates.stamp(blob.updated))
 

@@ -57,6 +57,7 @@ from celery_dlock.backends.objectstore import (
     UnsureWrite,
     Written,
 )
+from celery_dlock.backends.objectstore.store import checked_option
 from celery_dlock.errors import BackendError, ConfigurationError
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ class S3Backend(ObjectStoreBackend):
         self.endpoint_url = endpoint_url
         self.region = region
         self.addressing_style = _addressing_style(addressing_style)
-        self.timeout = float(timeout)
-        self.max_attempts = int(max_attempts)
+        self.timeout = float(checked_option("s3", "timeout", timeout, least=0, above=True))
+        self.max_attempts = int(
+            checked_option("s3", "max_attempts", max_attempts, least=1, above=False)
+        )
         self._access_key = access_key
         self._secret_key = secret_key
         self.url = f"s3://{bucket}/{self.prefix}"
@@ -185,7 +188,10 @@ class S3Store(ObjectStore):
         self.where = where
 
     def _failed(self, what: str, exc: Exception) -> BackendError:
-        return BackendError(f"S3 {what} failed: {exc}", self.where)
+        hint = ""
+        if isinstance(exc, ClientError) and _status(exc) == 404 and not _missing(exc):
+            hint = " (no S3 NoSuchKey answer: check the bucket, endpoint_url, addressing_style)"
+        return BackendError(f"S3 {what} failed: {exc}{hint}", self.where)
 
     def read(self, name: str) -> Found:
         try:
@@ -273,8 +279,10 @@ def _status(exc: ClientError) -> int | None:
 
 
 def _missing(exc: ClientError) -> bool:
-    """A 404 for the key, not for the bucket (a wrong bucket must not look like a free key)."""
-    return _status(exc) == 404 and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
+    """A 404 for the key (``NoSuchKey``), not for the bucket, nor a bare 404 from something
+    that is not S3 (a wrong endpoint or addressing style): neither may look like a free
+    key, or like a key held by someone else."""
+    return _status(exc) == 404 and exc.response.get("Error", {}).get("Code") == "NoSuchKey"
 
 
 def _stamp(reply: Any) -> Stamp:

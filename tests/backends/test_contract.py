@@ -479,7 +479,9 @@ def test_reap_is_bounded_by_its_limit(store: StoreCase) -> None:
     backend = store.backend
     leases = [backend.try_acquire(f"job:batch:{n}", holder(), short_ttl(store)) for n in range(5)]
     assert all(leases)
-    expire(store, leases[-1])  # type: ignore[arg-type]
+    # The latest expiry: a first lease of a process whose server-clock estimate is still
+    # wide (object stores) may outlive the later ones by up to a second.
+    expire(store, max(leases, key=lambda lease: lease.expires_at or 0.0))  # type: ignore[union-attr]
     first = eventually(lambda: backend.reap(limit=2) or None, "reap")
     assert len(first) == 2
     assert len(backend.reap(limit=10)) == 3

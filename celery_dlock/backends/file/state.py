@@ -4,6 +4,12 @@
 A key's file holds ``{"key", "fence", "lease"}`` as JSON. Every change happens under an
 exclusive ``flock`` on that file and is one ``pwrite`` of less than a page at offset 0,
 padded with spaces, so a killed writer leaves the old state or the new one, never a torn one.
+
+A state longer than a page (a long key with large lease metadata) is written first to
+whichever of two spill areas after the first page the current state does not use, then
+the first page is rewritten to point at it (``{"key", "fence", "spill": [offset, length],
+"write"}``): a writer killed mid-way (a kill can cut a write of several pages short)
+leaves the first page, and so the old state, whole.
 """
 
 from __future__ import annotations
@@ -19,16 +25,18 @@ from collections.abc import Callable
 from celery_dlock.backends.file.history import Segment
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError
-from celery_dlock.records import Lease
+from celery_dlock.records import Lease, new_token
 
 PAGE = 4096
+#: The longest state a spill area holds (a key of 1 KiB and metadata of 4 KiB fit).
+SPILL = 16384
 #: A key as a JSON string, as ``history.encode`` gives it (UTF-8, not escaped).
 _encode_key = json.encoder.encode_basestring
 _OPEN_FILES = 256
 _STRIPES = 64
 
 #: The last state bytes this process wrote for a key, with their parse.
-Memo = tuple[bytes, int, Lease | None, str | None]
+Memo = tuple[bytes, int, Lease | None, str | None, int]
 
 
 class Local:
@@ -168,7 +176,9 @@ class State:
     keyed by the exact bytes, so it can never disagree with a fresh parse.
     """
 
-    __slots__ = ("fd", "fence", "key", "lease", "lease_json", "memo", "segment", "size")
+    __slots__ = (
+        "fd", "fence", "key", "lease", "lease_json", "memo", "segment", "size", "spill", "url",
+    )  # fmt: skip
 
     def __init__(self, fd: int, key: str, local: Local, floor: Callable[[], int]) -> None:
         self.fd = fd
@@ -179,48 +189,78 @@ class State:
         self.size = len(data)
         self.lease: Lease | None = None
         self.lease_json: str | None = None
+        self.url = local.url
+        self.spill = 0  # the spill area the state is in (0: none, it is in the first page)
         memo = self.memo.get(key)
         if memo is not None and memo[0] == data:
-            _, self.fence, self.lease, self.lease_json = memo
+            _, self.fence, self.lease, self.lease_json, self.spill = memo
             return
         if not data.strip():
             self.fence = floor()
             return
         try:
             state = json.loads(data)
+            if "spill" in state:
+                self.spill, length = (int(n) for n in state["spill"])
+                if self.spill not in (PAGE, PAGE + SPILL) or not 0 < length <= SPILL:
+                    raise ValueError(f"bad spill area {state['spill']!r}")
+                state = json.loads(os.pread(fd, length, self.spill))
+            if state["key"] != key:
+                raise ValueError(f"it holds the state of the key {state['key']!r}")
             self.fence = int(state["fence"])
             if state["lease"] is not None:
                 self.lease = Lease.from_dict(state["lease"])
+                if self.lease.key != key:
+                    raise ValueError(f"it holds a lease on the key {self.lease.key!r}")
         except (ValueError, KeyError, TypeError) as exc:
+            path = os.path.join(local.locks_dir, file_name(key))
             raise BackendError(
-                f"the lock file of {key!r} is corrupt ({exc}); it was not changed", local.url
+                f"the lock file {path} of {key!r} is corrupt ({type(exc).__name__}: {exc}); "
+                "it was not changed: restore it, or delete it if no process holds the key",
+                local.url,
             ) from exc
 
     def write(self, fence: int, lease: Lease | None) -> None:
         lease_json = None if lease is None else lease.to_json(ensure_ascii=False)
-        text = f'{{"key":{_encode_key(self.key)},"fence":{fence},"lease":{lease_json or "null"}}}'
+        key = _encode_key(self.key)
+        text = f'{{"key":{key},"fence":{fence},"lease":{lease_json or "null"}}}'
         data = text.encode("utf-8", "surrogatepass")
+        spill = 0
         if len(data) > PAGE:
-            raise BackendError(f"the state of {self.key!r} does not fit in one page", None)
+            if len(data) > SPILL:
+                raise BackendError(
+                    f"the state of {self.key!r} takes {len(data)} bytes, over {SPILL}", self.url
+                )
+            spill = PAGE + SPILL if self.spill == PAGE else PAGE
+            self._pwrite(data, spill, "spill area of the lock file")
+            # A fresh nonce: the first page never repeats, so the memo keyed by it is exact.
+            header = f'"spill":[{spill},{len(data)}],"write":"{new_token()}"'
+            data = f'{{"key":{key},"fence":{fence},{header}}}'.encode("utf-8", "surrogatepass")
+            self.size = PAGE  # the whole first page: what lies after it is not JSON
         # Pad to the old length: the write then replaces every old byte in one pwrite.
         data = data.ljust(self.size)
-        try:
-            written = os.pwrite(self.fd, data, 0)
-        except OSError as exc:  # ENOSPC, EIO...: nothing was written, the old state stands
-            raise BackendError(f"cannot write the lock file of {self.key!r}: {exc}", None) from exc
-        if written != len(data):
-            raise BackendError(
-                f"the lock file of {self.key!r} took {written} of {len(data)} bytes (is the "
-                "disk full?): it may be corrupt until rewritten",
-                None,
-            )
+        self._pwrite(data, 0, "lock file")
         if len(self.memo) >= _OPEN_FILES:
             self.memo.clear()
-        self.memo[self.key] = (data, fence, lease, lease_json)
+        self.memo[self.key] = (data, fence, lease, lease_json, spill)
+        self.spill = spill
         self.size = len(data)
         self.fence = fence
         self.lease = lease
         self.lease_json = lease_json
+
+    def _pwrite(self, data: bytes, offset: int, what: str) -> None:
+        try:
+            written = os.pwrite(self.fd, data, offset)
+        except OSError as exc:  # ENOSPC, EIO...: nothing was written, the old state stands
+            raise BackendError(f"cannot write the {what} of {self.key!r}: {exc}", self.url) from exc
+        if written != len(data):
+            raise BackendError(
+                f"the {what} of {self.key!r} took {written} of {len(data)} bytes (is the "
+                "disk full?): "
+                + ("the old state stands" if offset else "it may be corrupt until rewritten"),
+                self.url,
+            )
 
 
 def read_floor(path: str) -> int:

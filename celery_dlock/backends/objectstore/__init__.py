@@ -72,6 +72,7 @@ from celery_dlock.backends.objectstore.store import (
     Stamp,
     UnsureWrite,
     Written,
+    checked_option,
 )
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
@@ -133,7 +134,7 @@ class ObjectStoreBackend(LockBackend):
             )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.gc_after = float(gc_after)
+        self.gc_after = float(checked_option(self.name, "gc_after", gc_after, least=0, above=False))
         self.clock: MonotonicClock = clock or time.monotonic
         self.layout = Layout(self.prefix)
         self.objects = Bucket(
@@ -202,7 +203,11 @@ class ObjectStoreBackend(LockBackend):
                     return None
                 record = _record(held, now, Outcome.EXPIRED, problem="expired")
             expires_at = None if ttl is None else us(now.high + ttl)
-            lease = Lease(key, new_token(), fence, holder, us(now.low), expires_at)
+            # Never before the end of the lease it follows (another process's clock window
+            # may reach lower), so that the history's intervals of a key never overlap.
+            freed = record.released_at if record is not None else previous and previous.freed_at
+            start = max(now.low, freed or now.low)
+            lease = Lease(key, new_token(), fence, holder, us(start), expires_at)
             ended = None if record is None else record.to_dict()
             if ended is not None and previous is not None and previous.ended is not None:
                 records.keep(self, previous.ended)  # replaced below: in history first

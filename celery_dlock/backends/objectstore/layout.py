@@ -17,6 +17,10 @@
 ``fence-floor``
     The highest fence of any lock object the janitor deleted; a lock object created anew
     starts above it.
+
+Names below the prefix take at most 431 bytes (a ``success/`` name of the longest key and
+task name), so the prefix takes at most 593 bytes of UTF-8: S3 and GCS refuse names over
+1024 bytes (``PREFIX_LIMIT``).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from typing import Any, NamedTuple
 from celery_dlock.backends.base import remembered
 from celery_dlock.backends.naming import file_name
 from celery_dlock.backends.objectstore.store import Found
-from celery_dlock.errors import BackendError
+from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Lease
 
 __all__ = [
+    "OBJECT_NAME_LIMIT",
+    "PREFIX_LIMIT",
     "HistoryName",
     "Layout",
     "LockState",
@@ -47,6 +53,14 @@ _HISTORY_DIGITS = 17
 _FENCE_DIGITS = 20
 #: Long keys have hashed names that share only their first 120 characters.
 _SHARED_PREFIX = 120
+#: The longest object name S3 and GCS take, in bytes of UTF-8.
+OBJECT_NAME_LIMIT = 1024
+#: The longest name ``file_name`` gives (longer ones are hashed to 185 characters).
+_FILE_NAME_MAX = 200
+#: The longest name below the prefix: ``success/<key name>/<task name>/<fence digits>``.
+_LONGEST_NAME = len("success/") + _FILE_NAME_MAX + 1 + _FILE_NAME_MAX + 1 + _FENCE_DIGITS
+#: The longest prefix (and its ``/``) that leaves room for every name below it.
+PREFIX_LIMIT = OBJECT_NAME_LIMIT - _LONGEST_NAME - 1
 
 
 def us(t: float) -> float:
@@ -78,6 +92,7 @@ class Layout:
     """The object names under one prefix (``""`` for the top of the bucket)."""
 
     def __init__(self, prefix: str) -> None:
+        _check_prefix(prefix)
         base = f"{prefix}/" if prefix else ""
         self.locks = f"{base}locks/"
         self.history = f"{base}history/"
@@ -122,6 +137,21 @@ class Layout:
         fence = 10**_FENCE_DIGITS - 1 - int(lease["fence"])
         directory = self.success_dir(lease["key"], lease["holder"]["task_name"])
         return f"{directory}{fence:0{_FENCE_DIGITS}d}"
+
+
+def _check_prefix(prefix: str) -> None:
+    """Refuse a prefix that would push object names past the stores' limit (the longest
+    key's ``success/`` objects would fail to be written, and with them every release of
+    that key), or that holds control characters (GCS refuses CR and LF in names)."""
+    size = len(prefix.encode("utf-8", "surrogatepass"))
+    if size > PREFIX_LIMIT:
+        raise ConfigurationError(
+            f"the object-store prefix is {size} bytes of UTF-8, over the limit of "
+            f"{PREFIX_LIMIT} (object names are at most {OBJECT_NAME_LIMIT} bytes, and "
+            f"names below the prefix take up to {_LONGEST_NAME + 1}): {prefix[:60]!r}..."
+        )
+    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in prefix):
+        raise ConfigurationError(f"the object-store prefix {prefix!r} contains a control character")
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,13 +8,28 @@ lists names by prefix and deletes. It translates its driver's errors into
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-from celery_dlock.errors import BackendError
+from celery_dlock.errors import BackendError, ConfigurationError
 
-__all__ = ["Found", "ObjectStore", "Stamp", "UnsureWrite", "Written"]
+__all__ = ["Found", "ObjectStore", "Stamp", "UnsureWrite", "Written", "checked_option"]
+
+
+def checked_option(backend: str, option: str, value: Any, *, least: float, above: bool) -> Any:
+    """``value`` if it is a finite number above ``least`` (``above``) or at least ``least``:
+    a bad timeout or attempt count fails here, naming the option, not at the first
+    request with the driver's message."""
+    number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if number is None or not math.isfinite(number) or number < least or (above and number == least):
+        bound = f"above {least:g}" if above else f"at least {least:g}"
+        raise ConfigurationError(
+            f"option {option!r} of the {backend} backend must be a number {bound}, not {value!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)

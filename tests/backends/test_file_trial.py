@@ -1,0 +1,121 @@
+"""The file store tried as a demanding user would, on real files: a lock file corrupted by
+hand, and the largest lease the API allows (a 1 KiB key with 4 KiB of metadata)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from celery_dlock import BackendError, Holder, Outcome
+from celery_dlock.backends.file import FileBackend
+from celery_dlock.backends.file.state import PAGE
+from celery_dlock.backends.naming import file_name
+from celery_dlock.records import METADATA_LIMIT
+
+KEY = "job:hand"
+
+
+def _lock_file(directory: Path, key: str) -> Path:
+    return directory / "locks" / file_name(key)
+
+
+def _truncated(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def _other_key(text: str) -> str:
+    return text.replace(json.dumps(KEY), json.dumps("job:other"))
+
+
+def _other_lease(text: str) -> str:
+    state = json.loads(text)
+    state["lease"]["key"] = "job:other"
+    return json.dumps(state)
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_truncated, _other_key, _other_lease, lambda text: "\0" * len(text)],
+    ids=["truncated", "another key's state", "another key's lease", "zeroed"],
+)
+def test_a_lock_file_corrupted_by_hand_is_an_error_naming_the_file(
+    tmp_path: Path, corrupt: Callable[[str], str]
+) -> None:
+    # Before: the message named the key, not the file; a state of another key (a file
+    # copied by hand) was read as this key's, and a second holder was granted.
+    holder = FileBackend(str(tmp_path))
+    lease = holder.try_acquire(KEY, Holder.current(), None)
+    assert lease is not None
+    path = _lock_file(tmp_path, KEY)
+    spoilt = corrupt(path.read_text()).encode()
+    path.write_bytes(spoilt)
+    other = FileBackend(str(tmp_path))  # another process's view: nothing cached
+    for attempt in (
+        lambda: other.try_acquire(KEY, Holder.current(), None),
+        lambda: other.get(KEY),
+        lambda: other.release(lease, Outcome.SUCCEEDED),
+    ):
+        with pytest.raises(BackendError, match=f"lock file {path} of 'job:hand' is corrupt"):
+            attempt()
+    assert path.read_bytes() == spoilt  # left alone
+    assert other.history(key=KEY) == []
+
+
+def _largest_holder(n: int) -> Holder:
+    """A holder with the most metadata a lease may carry (``METADATA_LIMIT`` bytes)."""
+    filler = METADATA_LIMIT - len(json.dumps({"n": n, "x": ""}, separators=(",", ":")))
+    return Holder.current(task_name="tasks.big", metadata={"n": n, "x": "m" * filler})
+
+
+def test_the_largest_lease_the_api_allows_is_kept_read_and_recorded(tmp_path: Path) -> None:
+    # Before: a state over one page was refused ("does not fit in one page"): metadata
+    # of ~4 KiB, or ~1.8 KiB with a 1 KiB key, could never be locked on the file store.
+    key = "ü" * 512  # 1024 bytes of UTF-8, twice in the state
+    backend = FileBackend(str(tmp_path))
+    other = FileBackend(str(tmp_path))  # another process's view: nothing cached
+    path = _lock_file(tmp_path, key)
+    records = []
+    for n in range(3):  # big, small, big: the spill area alternates and is left behind
+        holder = _largest_holder(n) if n != 1 else Holder.current(task_name="tasks.big")
+        lease = backend.try_acquire(key, holder, 60.0)
+        assert lease is not None and lease.fence == n + 1
+        assert other.get(key) == lease
+        assert other.try_acquire(key, Holder.current(), None) is None
+        renewed = other.renew(lease, 120.0)
+        assert renewed is not None and backend.get(key) == renewed
+        record = backend.release(renewed, Outcome.SUCCEEDED)
+        assert record is not None and record.lease == renewed
+        records.append(record)
+        assert other.get(key) is None
+    assert path.stat().st_size > PAGE
+    assert other.history(key=key, limit=None) == records[::-1]
+    assert records[2].lease.holder.metadata == _largest_holder(2).metadata
+
+
+def test_a_spilled_state_stands_whatever_the_unused_spill_area_holds(tmp_path: Path) -> None:
+    # A writer killed while writing a spill area leaves that area half written; the first
+    # page still points at the other one.
+    key = "job:spill"
+    backend = FileBackend(str(tmp_path))
+    lease = backend.try_acquire(key, _largest_holder(0), None)
+    assert lease is not None
+    path = _lock_file(tmp_path, key)
+    header = json.loads(path.read_bytes()[:PAGE])
+    used, length = header["spill"]
+    unused = PAGE + (PAGE + 16384) - used
+    with open(path, "r+b") as f:
+        f.seek(unused)
+        f.write(b'{"key": "torn' + b"x" * 9000)
+    other = FileBackend(str(tmp_path))
+    assert other.get(key) == lease
+    with open(path, "r+b") as f:  # the area in use, spoilt by hand: an error, not a grant
+        f.seek(used + length // 2)
+        f.write(b"\0" * 16)
+    third = FileBackend(str(tmp_path))
+    with pytest.raises(BackendError, match=f"lock file {path} of 'job:spill' is corrupt"):
+        third.try_acquire(key, Holder.current(), None)
+    assert os.path.getsize(path) >= used + length
