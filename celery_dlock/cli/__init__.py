@@ -8,16 +8,19 @@ Usage::
     DLOCK_BACKEND=redis://cache:6379/1 celery-dlock release job:order:42 --reason "stuck"
 
 Commands (the same in both): ``leases [PREFIX]``, ``history``, ``release KEY``, ``reap``,
-``migrate``, ``doctor`` (each takes ``--json``), ``run KEY -- COMMAND`` (a command under
-the lock, for cron: see :mod:`celery_dlock.cli.run`) ``timeline -o FILE.svg`` (a picture
-of the leases: see :mod:`celery_dlock.cli.timeline`) and ``serve`` (a web page over the store:
-see :mod:`celery_dlock.cli.serve`). ``dlock`` is the ``celery.commands`` entry
+``migrate``, ``doctor``, ``timeline -o FILE.svg`` (a picture of the leases: see
+:mod:`celery_dlock.cli.timeline`), each of which takes ``--json``; ``run KEY -- COMMAND`` (a
+command under the lock, for cron: see :mod:`celery_dlock.cli.run`) and ``serve`` (a web page
+over the store: see :mod:`celery_dlock.cli.serve`), whose output is the command's and a
+page. ``dlock`` is the ``celery.commands`` entry
 point and reads the app's settings through ``ctx.obj.app``; ``main`` needs no app (nor
 Celery installed) and takes the store from ``--backend`` or ``DLOCK_BACKEND``.
 
 Keys are given in full, exactly as ``leases`` prints them. Passwords in URLs are masked in
 every line printed, error messages included. Exit codes: 0 done, 1 failed (store
-unreachable, a doctor check failed, nothing released), 2 bad usage or configuration.
+unreachable, a doctor check failed, nothing released), 2 bad usage or configuration, 130
+after Ctrl-C, 141 (128 + SIGPIPE, as for ``cat``) when the reader of the output went away
+(``| head``), quietly.
 """
 
 from __future__ import annotations

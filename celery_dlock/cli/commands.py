@@ -51,11 +51,15 @@ def store_now(backend: LockBackend) -> float:
     return time.time() if server is None else server
 
 
-def _key_hint(env: Env, key: str) -> str:
+def _key_hint(env: Env, key: str, *, history: bool = False) -> str:
+    """A hint when ``key`` lacks the namespace and the full key has a lease (or, for
+    ``history``, records)."""
     prefix = env.target.prefix
-    if prefix and not key.startswith(prefix) and env.backend.get(prefix + key) is not None:
-        return f" (keys are given in full: did you mean {prefix + key!r}?)"
-    return ""
+    if not prefix or key.startswith(prefix):
+        return ""
+    full = prefix + key
+    found = (history and env.backend.history(key=full, limit=1)) or env.backend.get(full)
+    return f" (keys are given in full: did you mean {full!r}?)" if found else ""
 
 
 # -- leases ---------------------------------------------------------------------------------
@@ -172,7 +176,7 @@ def history(
         env.emit_json({"backend": env.url, "records": [record_json(r) for r in records]})
         return
     if not records:
-        hint = "" if key is None else _key_hint(env, key)
+        hint = "" if key is None else _key_hint(env, key, history=True)
         env.echo(f"no history records match in {env.url}{hint}")
         return
     rows = [

@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import re
+import select
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -23,11 +26,25 @@ from celery_dlock.backends import backend_from_url, mask_url, query_secrets
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError, DLockError
 
-__all__ = ["Env", "Target", "UsageFailure", "failure_text", "guarded"]
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_PIPE",
+    "Env",
+    "Target",
+    "UsageFailure",
+    "failure_text",
+    "guarded",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _USERINFO = re.compile(r"://[^/?#@]*:([^/?#]*)@")
+
+#: Exit code when the reader of our output went away (``| head``): 128 + SIGPIPE, what the
+#: shell reports for ``cat``, ``grep`` or ``ls`` in the same place.
+EXIT_PIPE = 141
+#: Exit code after Ctrl-C (SIGINT): 128 + SIGINT, as the shell reports for its own commands.
+EXIT_INTERRUPTED = 130
 
 
 class UsageFailure(click.ClickException):
@@ -158,6 +175,13 @@ def guarded(command: F) -> F:
             return command(env, *args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # click's own, about arguments: they never quote the URL
+        except BrokenPipeError as exc:
+            if not _output_gone():  # a store's socket, say: a failure like any other
+                raise click.ClickException(env.scrub(failure_text(exc))) from None
+            _silence_output()
+            raise click.exceptions.Exit(EXIT_PIPE) from None
+        except KeyboardInterrupt:
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
         except ConfigurationError as exc:
             raise UsageFailure(env.scrub(failure_text(exc))) from None
         except Exception as exc:
@@ -166,3 +190,24 @@ def guarded(command: F) -> F:
             env.close()
 
     return cast(F, run)
+
+
+def _output_gone() -> bool:
+    """True when our stdout or stderr is a pipe or socket whose reader has gone (poll(2)
+    reports POLLERR on the writing end of a pipe nobody reads)."""
+    if not hasattr(select, "poll"):  # Windows: an EPIPE there is the output's anyway
+        return True
+    poller = select.poll()
+    for fd in (1, 2):
+        poller.register(fd, 0)  # POLLERR and POLLHUP are always reported
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _silence_output() -> None:
+    """Point stdout and stderr at the null device, so that nothing more is written to the
+    gone reader (Python flushes both at exit, which would fail and print a traceback)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            os.dup2(devnull, stream.fileno())
+    os.close(devnull)

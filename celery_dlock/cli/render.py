@@ -147,11 +147,20 @@ DURATION = DurationType()
 SINCE = SinceType()
 
 
+#: A cell wider than this does not widen its column: it runs over into the rest of its own
+#: row (still two spaces before the next cell), so that one long key pads no other row.
+WIDE_CELL = 48
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Plain columns aligned with two spaces, a header line in capitals, no colour."""
+    """Plain columns aligned with two spaces, a header line in capitals, no colour; a cell
+    past :data:`WIDE_CELL` characters is shown whole, shifting only its own row."""
     widths = [len(header) for header in headers]
     for row in rows:
-        widths = [max(width, len(cell)) for width, cell in zip(widths, row, strict=True)]
+        widths = [
+            max(width, len(cell)) if len(cell) <= WIDE_CELL else width
+            for width, cell in zip(widths, row, strict=True)
+        ]
     lines = [[header.upper() for header in headers], *rows]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()

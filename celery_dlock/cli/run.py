@@ -2,26 +2,38 @@
 for a crontab line, with the locks, fences and history of every other way in.
 
 The runner takes the lease (waiting up to ``--wait``), renews it while the command runs
-(with ``--ttl``), passes SIGTERM, SIGINT and SIGHUP on to the command, and releases on every
-way out, recorded with the outcome: ``succeeded`` for exit 0, ``failed`` with ``exit N`` or
-``signal NAME`` and the tail of the command's stderr, ``revoked`` when the runner was told to
-stop (whatever the command's exit status). A runner that is SIGKILLed releases nothing: the
-store's liveness frees the key (its session or process ends, or its ttl runs out) and the
-janitor records it; on Linux its command is SIGKILLed with it (``PR_SET_PDEATHSIG``), so that
-the next run cannot overlap a command whose lock is gone. The command finds the key and the
-lease's fence in ``DLOCK_KEY`` and ``DLOCK_FENCE``.
+(with ``--ttl``), passes SIGTERM, SIGINT and SIGHUP on to the command, and releases as soon
+as the command exits, on every way out, recorded with the outcome: ``succeeded`` for exit
+0, ``failed`` with ``exit N`` or ``signal NAME`` and the tail of the command's stderr,
+``revoked`` when the runner was told to stop (whatever the command's exit status). A runner
+that is SIGKILLed releases nothing: the store's liveness frees the key (its session or process
+ends, or its ttl runs out) and the janitor records it; on Linux its command is SIGKILLed with
+it (``PR_SET_PDEATHSIG``), so that the next run cannot overlap a command whose lock is gone.
+The command finds the key and the lease's fence in ``DLOCK_KEY`` and ``DLOCK_FENCE``.
+
+Ctrl-C on a terminal signals the whole foreground process group, the command included (it
+runs in the runner's group, as under ``flock(1)``): the runner then passes no second SIGINT,
+which a command that takes a second Ctrl-C for "force quit" would obey. A SIGINT sent to
+the runner alone (``kill -INT``) while it runs in its terminal's foreground is therefore not
+passed on either: send SIGTERM to stop it from elsewhere.
 
 Exit codes: the command's own (128 + N when a signal N ended it); 75 (EX_TEMPFAIL) when the
 key stayed busy; 69 (EX_UNAVAILABLE) when the store failed before the command started; 127
-when the command could not be started (recorded ``failed``); 2 for bad usage. With
-``--once``, a key whose command succeeded before exits 0 at once without running it again.
+when the command could not be started (recorded ``failed``); 130 when Ctrl-C stopped the wait
+for the key (the command is not run, nothing is held); 2 for bad usage. With ``--once``, a
+key whose command succeeded before exits 0 at once without running it again.
+
+The command's stderr is copied to ours until the command exits: a background process it
+leaves holding that stderr does not keep the key (what it writes later has no reader).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
+import selectors
 import shlex
 import signal
 import subprocess
@@ -32,7 +44,7 @@ from typing import Any, BinaryIO
 
 import click
 
-from celery_dlock.cli.env import Env, UsageFailure, guarded
+from celery_dlock.cli.env import EXIT_INTERRUPTED, Env, UsageFailure, guarded
 from celery_dlock.errors import DLockError, LockNotAcquiredError
 from celery_dlock.keys import validate_key
 from celery_dlock.lock import Lock
@@ -93,6 +105,12 @@ def run(
     except LockNotAcquiredError as exc:
         env.echo(f"{key} is busy: {exc}", err=True)
         raise click.exceptions.Exit(EXIT_BUSY) from None
+    except KeyboardInterrupt:
+        if lock.lease is not None:  # taken just as Ctrl-C came: given back at once
+            with contextlib.suppress(DLockError):
+                lock.release(Outcome.REVOKED, "SIGINT", "Ctrl-C before the command started")
+        env.echo(f"{key}: interrupted before the command started; it was not run", err=True)
+        raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
     except DLockError as exc:
         env.echo(f"the lock store failed: {exc}", err=True)
         raise click.exceptions.Exit(EXIT_STORE) from None
@@ -102,30 +120,47 @@ def run(
 def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
     """Run the command under ``lease``; release with its outcome; its exit code."""
     stopping: list[int] = []
-    try:
-        process = subprocess.Popen(
-            words,
-            stderr=subprocess.PIPE,
-            env={**os.environ, "DLOCK_KEY": lease.key, "DLOCK_FENCE": str(lease.fence)},
-            preexec_fn=_die_with(os.getpid()),  # noqa: PLW1509 - async-signal-safe calls only
-        )
-    except OSError as exc:
-        lock.release(Outcome.FAILED, type(exc).__name__, f"could not start {words[0]}: {exc}")
-        click.echo(f"cannot run {shlex.join(words)}: {exc}", err=True)
-        return 127
-    tail = _Tail(process.stderr)  # type: ignore[arg-type]
+    started: list[subprocess.Popen[bytes]] = []
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.append(signum)
-        process.send_signal(signum)
+        name = signal.Signals(signum).name
+        if _from_terminal(signum):
+            _say(f"{lease.key}: {name} from the terminal: the command got it too")
+        elif started:
+            started[0].send_signal(signum)
+            _say(f"{lease.key}: {name} passed to the command")
 
-    previous = {number: signal.signal(number, forward) for number in _FORWARDED}
+    # Installed before the command starts: a signal in between is not lost (nor a traceback).
+    # One we were started ignoring stays ignored, for the command too (`nohup` ignores SIGHUP).
+    previous = {
+        number: signal.signal(number, forward)
+        for number in _FORWARDED
+        if signal.getsignal(number) is not signal.SIG_IGN
+    }
     try:
-        status = process.wait()
+        try:
+            process = subprocess.Popen(
+                words,
+                stderr=subprocess.PIPE,
+                env={**os.environ, "DLOCK_KEY": lease.key, "DLOCK_FENCE": str(lease.fence)},
+                preexec_fn=_die_with(os.getpid()),  # noqa: PLW1509 - async-signal-safe calls
+            )
+        except OSError as exc:
+            lock.release(Outcome.FAILED, type(exc).__name__, f"could not start {words[0]}: {exc}")
+            click.echo(f"cannot run {shlex.join(words)}: {exc}", err=True)
+            return 127
+        started.append(process)
+        if stopping:  # came before the command existed: even a terminal's missed it
+            process.send_signal(stopping[0])
+        tail = _Tail(process.stderr)  # type: ignore[arg-type]
+        try:
+            status = process.wait()
+        finally:
+            tail.finish()
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-        tail.join()
     outcome, problem, details = _ending(status, stopping, tail.text())
     result = {"exit": status} if once and outcome is Outcome.SUCCEEDED else None
     try:
@@ -133,6 +168,30 @@ def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
     except DLockError as exc:
         click.echo(f"could not record the end of {lease.key}: {exc}", err=True)
     return status if status >= 0 else 128 - status
+
+
+def _say(text: str) -> None:
+    """A line on stderr from a signal handler: it may find stderr gone or mid-write."""
+    with contextlib.suppress(OSError, RuntimeError):
+        click.echo(text, err=True)
+
+
+def _from_terminal(signum: int) -> bool:
+    """True for a SIGINT while we run in the foreground process group of our controlling
+    terminal: a Ctrl-C there went to the whole group, the command included (it runs in
+    ours), and passing it on would make it a second one."""
+    if signum != signal.SIGINT:
+        return False
+    try:
+        tty = os.open("/dev/tty", os.O_RDONLY | os.O_NOCTTY)  # fails without a terminal
+    except OSError:
+        return False
+    try:
+        return os.tcgetpgrp(tty) == os.getpgrp()
+    except OSError:
+        return False
+    finally:
+        os.close(tty)
 
 
 def _die_with(runner: int) -> Callable[[], None] | None:
@@ -174,28 +233,71 @@ def _lost(lease: Lease) -> None:
 
 
 class _Tail:
-    """Copies the command's stderr to ours as it comes, keeping its last bytes."""
+    """Copies the command's stderr to ours as it comes, keeping its last bytes, until the
+    command exits; then what it wrote is in the pipe, and is read without waiting for the
+    pipe's end (which a background child of the command may hold open for long)."""
+
+    #: Reads after the command exits: a background child writing on does not hold us.
+    DRAIN = 64
 
     def __init__(self, stream: BinaryIO) -> None:
         self._stream = stream
         self._kept: collections.deque[bytes] = collections.deque()
         self._size = 0
+        self._copying = True
+        self._wake, self._waker = os.pipe()
         self._thread = threading.Thread(target=self._copy, name="dlock-run-stderr", daemon=True)
         self._thread.start()
 
     def _copy(self) -> None:
-        out = sys.stderr.buffer
-        for chunk in iter(lambda: os.read(self._stream.fileno(), 65536), b""):
-            out.write(chunk)
-            out.flush()
-            self._kept.append(chunk)
-            self._size += len(chunk)
-            while self._size - len(self._kept[0]) >= STDERR_TAIL:
-                self._size -= len(self._kept.popleft())
-        self._stream.close()
+        fd = self._stream.fileno()
+        if os.name == "nt":  # no select() on pipes: read to the end (finish waits 5 s at most)
+            for chunk in iter(lambda: os.read(fd, 65536), b""):
+                self._keep(chunk)
+            return
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            selector.register(self._wake, selectors.EVENT_READ)
+            while True:
+                ready = {key.fd for key, _ in selector.select()}
+                if self._wake in ready:  # the command exited (checked first: see DRAIN)
+                    self._drain(fd)
+                    return
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return
+                self._keep(chunk)
 
-    def join(self) -> None:
-        self._thread.join(timeout=5)
+    def _drain(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        for _ in range(self.DRAIN):
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            if not chunk:
+                return
+            self._keep(chunk)
+
+    def _keep(self, chunk: bytes) -> None:
+        if self._copying:
+            try:
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+            except OSError:  # our stderr's reader went away: keep reading, or the command blocks
+                self._copying = False
+        self._kept.append(chunk)
+        self._size += len(chunk)
+        while self._size - len(self._kept[0]) >= STDERR_TAIL:
+            self._size -= len(self._kept.popleft())
+
+    def finish(self) -> None:
+        """Once the command has exited: copy what it wrote, and stop."""
+        os.write(self._waker, b"x")
+        self._thread.join(timeout=5 if os.name == "nt" else None)
+        for fd in (self._wake, self._waker):
+            os.close(fd)
+        self._stream.close()
 
     def text(self) -> str:
         data = b"".join(self._kept)[-STDERR_TAIL:]

@@ -9,7 +9,9 @@ to release, never printed).
 
 from __future__ import annotations
 
+import errno
 import os
+from typing import Any
 
 import click
 
@@ -52,6 +54,34 @@ def serve(env: Env, *, port: int, bind: str, allow_release: bool) -> None:
             f"serve needs the [web] extra: pip install 'celery-dlock[web]' ({exc})"
         ) from None
     app = make_app(env.backend, prefix=env.target.prefix, release_secret=secret)
+    try:  # bound here, before a word is printed: the line below names the real port
+        server = waitress.create_server(app, host=bind, port=port, threads=4, ident="celery-dlock")
+    except OSError as exc:
+        raise click.ClickException(_bind_failure(bind, port, exc)) from None
     mode = "releasing allowed" if secret else "read-only"
-    env.echo(f"serving {env.url} on http://{bind}:{port}/ ({mode}); Ctrl-C stops")
-    waitress.serve(app, host=bind, port=port, threads=4, ident="celery-dlock")
+    for host, bound in _listening(server):
+        shown = f"[{host}]" if ":" in host else host
+        env.echo(f"serving {env.url} on http://{shown}:{bound}/ ({mode}); Ctrl-C stops")
+    try:
+        server.run()
+    except KeyboardInterrupt:  # how it is meant to stop
+        pass
+    finally:
+        server.close()
+
+
+def _listening(server: Any) -> list[tuple[str, int]]:
+    """The (host, port) pairs ``server`` listens on: one per address ``--bind`` named."""
+    many = getattr(server, "effective_listen", None)
+    return list(many) if many else [(server.effective_host, server.effective_port)]
+
+
+def _bind_failure(bind: str, port: int, exc: OSError) -> str:
+    where = f"{bind}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"cannot listen on {where}: the port is in use (choose another with --port)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {where}: {bind} is not an address of this machine (--bind)"
+    if exc.errno == errno.EACCES:
+        return f"cannot listen on {where}: permission denied (ports below 1024 need privileges)"
+    return f"cannot listen on {where}: {exc.strerror or exc}"

@@ -21,7 +21,14 @@ import click
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.env import Env, UsageFailure, guarded
-from celery_dlock.cli.render import MOST, SINCE, human_duration, local_time
+from celery_dlock.cli.render import (
+    MOST,
+    SINCE,
+    human_duration,
+    lease_json,
+    local_time,
+    record_json,
+)
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = ["COLOURS", "Bar", "render_svg", "timeline"]
@@ -207,16 +214,22 @@ def newest_matching(
 @click.option("--since", type=SINCE, default="1h", show_default=True, help="From: 10m, 2h or ISO.")
 @click.option("--limit", type=click.IntRange(min=1, max=MOST), default=5000, show_default=True,
               help="At most this many released leases, the newest.")  # fmt: skip
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="The file to write: .svg, or .html for a page holding the picture.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True,
+              help="Print its records and leases as JSON (stable keys) for scripts.")  # fmt: skip
 @guarded
-def timeline(env: Env, *, prefix: str | None, since: float, limit: int, output: Path) -> None:
-    """Draw who held which key when, as an SVG or HTML file.
+def timeline(
+    env: Env, *, prefix: str | None, since: float, limit: int, output: Path | None, as_json: bool
+) -> None:
+    """Draw who held which key when, as an SVG or HTML file (-o), or print it as JSON.
 
     One row per key, one bar per lease from acquisition to release, coloured by outcome; a
     lease still held is hatched up to now. Hover a bar for its fence, holder and times.
     """
-    if output.suffix.lower() not in (".svg", ".html", ".htm"):
+    if output is None and not as_json:
+        raise UsageFailure("timeline needs -o FILE.svg (or .html), or --json")
+    if output is not None and output.suffix.lower() not in (".svg", ".html", ".htm"):
         raise UsageFailure(f"-o {output}: write a .svg or an .html file")
     chosen = env.target.prefix if prefix is None else prefix
     backend = env.backend
@@ -224,8 +237,22 @@ def timeline(env: Env, *, prefix: str | None, since: float, limit: int, output: 
     records = newest_matching(backend, chosen, since=since, limit=limit)
     bars = [Bar.of(record) for record in records]
     bars += [Bar(lease, lease.acquired_at, until, "held") for lease in backend.leases(chosen)]
-    svg = render_svg(bars, since, until)
-    text = page(svg, _caption(since, until, bars)) if output.suffix.lower() != ".svg" else svg
-    output.write_text(text, encoding="utf-8")
     keys = len({bar.lease.key for bar in bars})
-    env.echo(f"wrote {output}: {len(bars)} leases on {keys} keys since {local_time(since)}")
+    if output is not None:
+        svg = render_svg(bars, since, until)
+        text = page(svg, _caption(since, until, bars)) if output.suffix.lower() != ".svg" else svg
+        output.write_text(text, encoding="utf-8")
+        if not as_json:
+            env.echo(f"wrote {output}: {len(bars)} leases on {keys} keys since {local_time(since)}")
+    if as_json:  # the shapes of `history --json` (records) and `leases --json` (leases, now)
+        env.emit_json(
+            {
+                "backend": env.url,
+                "prefix": chosen,
+                "since": since,
+                "now": until,
+                "output": None if output is None else str(output),
+                "records": [record_json(record) for record in records],
+                "leases": [lease_json(bar.lease, until) for bar in bars if bar.outcome == "held"],
+            }
+        )

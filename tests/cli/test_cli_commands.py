@@ -13,8 +13,17 @@ from typing import Any
 
 import pytest
 
+from celery_dlock.cli.env import EXIT_PIPE
 from celery_dlock.records import Holder, Lease, Outcome, Record
-from tests.cli.clitools import CliStore, popen_cli, run_celery, run_cli
+from tests.cli.clitools import (
+    BIN,
+    COMMAND_TIMEOUT,
+    CliStore,
+    environment,
+    popen_cli,
+    run_celery,
+    run_cli,
+)
 from tests.support.holders import kill, spawn_holder
 
 
@@ -179,6 +188,13 @@ def test_history_with_no_match_says_so_and_hints_the_full_key(file_store: CliSto
     assert result.returncode == 0
     assert "no history records match" in result.stdout
     assert "did you mean 'job:order:1'?" in result.stdout
+
+
+def test_history_hints_the_full_key_of_a_key_with_records_only(store: CliStore) -> None:
+    store.backend.release(hold(store, "job:order:2"), Outcome.SUCCEEDED)  # no lease left
+    result = run_cli("--backend", store.url, "history", "--key", "order:2")
+    assert result.returncode == 0 and "no history records match" in result.stdout
+    assert "did you mean 'job:order:2'?" in result.stdout
 
 
 def test_history_rejects_a_bad_since_with_a_usage_error(file_store: CliStore) -> None:
@@ -443,3 +459,36 @@ def test_tables_without_metadata_have_no_metadata_column(store: CliStore) -> Non
     hold(store, "job:plain")
     header = run_cli("--backend", store.url, "leases").stdout.splitlines()[0]
     assert "METADATA" not in header
+
+
+# -- output to a reader that went away ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["leases"], ["history"], ["history", "--details"], ["history", "--json"], ["doctor"]],
+    ids=" ".join,
+)
+def test_output_to_a_reader_that_went_away_ends_quietly_with_141(
+    file_store: CliStore, command: list[str]
+) -> None:
+    # `celery-dlock history | head -1`: once head has exited, the next write fails. Here the
+    # reading end is closed before the command starts, so that its first write fails.
+    for n in range(3):
+        hold(file_store, f"job:held:{n}")
+        file_store.backend.release(hold(file_store, f"job:done:{n}"), Outcome.SUCCEEDED)
+    reading, writing = os.pipe()
+    os.close(reading)
+    try:
+        result = subprocess.run(
+            [str(BIN / "celery-dlock"), "--backend", file_store.url, *command],
+            stdout=writing,
+            stderr=subprocess.PIPE,
+            env=environment(None),
+            timeout=COMMAND_TIMEOUT,
+            check=False,
+        )
+    finally:
+        os.close(writing)
+    assert result.returncode == EXIT_PIPE  # 128 + SIGPIPE, as the shell shows for `cat`
+    assert result.stderr == b""  # no traceback, no "Error:" line

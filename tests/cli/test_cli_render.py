@@ -77,3 +77,10 @@ def test_scrub_masks_the_password_in_any_text(url: str, forms: list[str]) -> Non
     quoted = f"failed: {url!r}; auth with {' / '.join(forms)} refused; {url}"
     scrubbed = env.scrub(quoted)
     assert all(form not in scrubbed for form in forms), scrubbed
+
+
+def test_a_wide_key_is_shown_whole_and_pads_no_other_row() -> None:
+    wide = "job:" + "x" * 120
+    lines = table(("key", "fence"), [["job:a", "1"], [wide, "12"]]).splitlines()
+    assert lines == ["KEY    FENCE", "job:a  1", f"{wide}  12"]
+    assert lines[2].split() == [wide, "12"]  # still two spaces between cells: copy-paste whole

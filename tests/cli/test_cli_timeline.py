@@ -4,6 +4,7 @@ holder, live leases to now, filters by key prefix and time."""
 
 from __future__ import annotations
 
+import json
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -94,3 +95,38 @@ def test_an_output_that_is_not_svg_or_html_is_refused(file_store: CliStore, tmp_
     result = run_cli("--backend", file_store.url, "timeline", "-o", str(tmp_path / "t.png"))
     assert result.returncode == 2
     assert ".svg" in result.stderr and not (tmp_path / "t.png").exists()
+
+
+def test_json_has_the_records_and_the_held_leases_of_the_picture(
+    store: CliStore, tmp_path: Path
+) -> None:
+    backend = store.backend
+    done = backend.try_acquire("job:order:1", Holder.current(task_name="t.charge"), None)
+    assert done is not None
+    backend.release(done, Outcome.FAILED, "ValueError", "boom")
+    held = backend.try_acquire("job:order:2", Holder.current(task_name="t.charge"), 600)
+    other = backend.try_acquire("cron:x", Holder.current(task_name="t.other"), 600)
+    assert held is not None and other is not None
+    output = tmp_path / "t.svg"
+    result = run_cli("--backend", store.url, "timeline", "--json", "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)  # only the JSON on stdout, though a file was written too
+    assert data["backend"] == store.url and data["prefix"] == "job:"
+    assert data["output"] == str(output) and len(bars(output)) == 2
+    [record] = data["records"]  # the shape of `history --json`
+    assert (record["key"], record["outcome"], record["fence"]) == (
+        "job:order:1",
+        "failed",
+        done.fence,
+    )
+    assert record["lease"]["token"] == done.token
+    [lease] = data["leases"]  # the shape of `leases --json`
+    assert (lease["key"], lease["token"], lease["fence"]) == (held.key, held.token, held.fence)
+    assert lease["expired"] is False and lease["expires_in"] > 0
+    alone = run_cli("--backend", store.url, "timeline", "--json", "--key", "cron:")
+    assert [lease["token"] for lease in json.loads(alone.stdout)["leases"]] == [other.token]
+
+
+def test_without_output_nor_json_is_a_usage_error(file_store: CliStore) -> None:
+    result = run_cli("--backend", file_store.url, "timeline")
+    assert result.returncode == 2 and "-o FILE.svg" in result.stderr and "--json" in result.stderr
