@@ -192,12 +192,14 @@ class AsyncLock:
                 if remaining is not None and remaining <= 0:
                     raise self._lock.busy_error(limit, await self.current())
                 pause = SLICE if remaining is None else min(SLICE, remaining)
-                on = random.choice(self._lock.slots) if place is None else place.key
-                if self._store is None:
-                    block = self.backend.wait
-                    place = await _off(block, on, pause, place, orphan=_leave, pool="waits")
-                else:
-                    place = await self._store.wait(on, pause, place)
+                if self._store is None:  # Lock.wait_once, in the pool
+                    place = await _off(
+                        self._lock.wait_once, pause, place, orphan=_leave, pool="waits"
+                    )
+                elif self._lock.limit == 1:
+                    place = await self._store.wait(self.key, pause, place)
+                else:  # woken by the release of any slot
+                    await self._store.wait_any(self._lock.slots, pause)
         finally:
             self._acquiring = False
             if place is not None and self._store is not None:

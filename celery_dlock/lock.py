@@ -93,7 +93,8 @@ class Lock:
             holder's session ended.
         limit: at most this many holders at once (a semaphore): each holds one of
             ``limit`` slots, the keys ``key#0`` .. ``key#<limit-1>``, with a lease, token
-            and fence of its own; slots are tried in a random order. 1: the key itself.
+            and fence of its own; slots are tried in a random order, and a waiter is woken
+            by the release of any of them (``wait_any``). 1: the key itself.
         metadata: a JSON object (at most 4 KiB) stored with each lease and its record,
             shown by ``leases`` and ``history``: who asked, an order's amount, a ticket.
 
@@ -153,16 +154,12 @@ class Lock:
     @property
     def lease(self) -> Lease | None:
         """The lease held now (the newest after renewals), or None."""
-        if self._renewer is not None:
-            return self._renewer.lease
-        return self._lease
+        return self._lease if self._renewer is None else self._renewer.lease
 
     @property
     def lost(self) -> bool:
         """True once background renewal found the lease gone, or its session ended."""
-        if self._renewer is not None:
-            return self._renewer.lost.is_set()
-        return self._session_ended
+        return self._session_ended if self._renewer is None else self._renewer.lost.is_set()
 
     def acquire(
         self,
@@ -201,12 +198,18 @@ class Lock:
                 if remaining is not None and remaining <= 0:
                     raise self.busy_error(limit)
                 pause = POLL * random.uniform(0.5, 1.0)
-                pause = pause if remaining is None else min(pause, remaining)
-                waiting_on = random.choice(self.slots) if place is None else place.key
-                place = self.backend.wait(waiting_on, pause, place)
+                place = self.wait_once(pause if remaining is None else min(pause, remaining), place)
         finally:
             if place is not None:
                 place.leave()
+
+    def wait_once(self, timeout: float, place: Place | None = None) -> Place | None:
+        """One wait on the store, of at most ``timeout`` seconds: for the key (``place``, the
+        caller's in its queue, kept: the place returned), or for any of its slots."""
+        if self.limit == 1:
+            return self.backend.wait(self.key, timeout, place)
+        self.backend.wait_any(self.slots, timeout)  # woken by the release of any of them
+        return None
 
     def _try(self, holder: Holder, replace: str | None, place: Place | None) -> Lease | None:
         """One attempt at the key, or at each slot in a random order (the slot of the lease
@@ -237,8 +240,8 @@ class Lock:
     def attempt(self, place: Place | None = None) -> Lease | None:
         """One try, without waiting or raising for a busy key: the lease, now held, or None
         (:meth:`current` tells who holds the key). ``place``: the caller's in the store's
-        queue of the key's waiters, from ``backend.wait`` (for a caller that waits its own
-        way, as :class:`AsyncLock` does), used up or left as in :meth:`took`."""
+        queue of the key's waiters (from :meth:`wait_once`, for :class:`AsyncLock`), used
+        up or left as in :meth:`took`."""
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
         lease = self._try(self.next_holder(), None, place)
@@ -403,9 +406,7 @@ class Lock:
         Raises:
             BackendError: the store failed.
         """
-        if self.limit == 1:
-            return self.backend.get(self.key)
-        return next(iter(self.holders()), None)
+        return self.backend.get(self.key) if self.limit == 1 else next(iter(self.holders()), None)
 
     def holders(self) -> list[Lease]:
         """Every lease on this key now (on each of its slots, with a ``limit``).
@@ -413,8 +414,7 @@ class Lock:
         Raises:
             BackendError: the store failed.
         """
-        found = [self.backend.get(slot) for slot in self.slots]
-        return [lease for lease in found if lease is not None]
+        return [lease for slot in self.slots if (lease := self.backend.get(slot)) is not None]
 
     def end(
         self,
@@ -441,8 +441,7 @@ class Lock:
         """Record an attempt that ran nothing under this key (a busy key skipped): a
         ``skipped`` record of a lease with fence 0 and a token of its own."""
         now = time.time()
-        who = holder or self.next_holder()
-        lease = Lease(self.key, new_token(), 0, who, now)
+        lease = Lease(self.key, new_token(), 0, holder or self.next_holder(), now)
         record = Record(lease, now, Outcome.SKIPPED, problem, details)
         self.backend.add_record(record)
         return record

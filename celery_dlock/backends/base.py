@@ -7,8 +7,9 @@ Every backend passes the shared contract suite in ``tests/backends/``.
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -169,6 +170,8 @@ class AsyncStore(Protocol):
     async def get(self, key: str) -> Lease | None: ...
 
     async def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None: ...
+
+    async def wait_any(self, keys: Sequence[str], timeout: float) -> None: ...
 
 
 def server_time(backend: LockBackend) -> float | None:
@@ -333,6 +336,19 @@ class LockBackend(ABC):
         earlier ``wait`` for ``key`` returned. None: no place is kept (a store without
         queues, a wait that timed out, a place left).
         """
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """Return when any of ``keys`` may have become free, or after ``timeout`` seconds:
+        ``wait`` for a caller that will take whichever is free (the slots of a ``limit``),
+        so without a place in any queue. May return early.
+
+        This default waits on one of ``keys`` at random: a release of another is seen only
+        at the caller's next look. A store whose push can watch several keys at once
+        overrides it.
+        """
+        place = self.wait(random.choice(keys), timeout)
+        if place is not None:
+            place.leave()
 
     def record_success(self, connection: Any, record: Record) -> None:
         """``remember`` ``record`` inside the caller's own transaction on ``connection``, so

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -221,12 +222,19 @@ class MemoryBackend(LockBackend):
             return cut
 
     def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
-        with self._changed:
-            lease = self._leases.get(key)
-            if lease is None or expired(lease, self._clock()):
-                return None
-            self._changed.wait(timeout)
+        self.wait_any((key,), timeout)
         return None  # no queue: nothing to keep
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """Sleep until a change of any lease (a release, an expiry seen by a reap), at
+        most ``timeout`` seconds; at once if one of ``keys`` is free."""
+        with self._changed:
+            now = self._clock()
+            for key in keys:
+                lease = self._leases.get(key)
+                if lease is None or expired(lease, now):
+                    return
+            self._changed.wait(timeout)
 
     def _append(self, record: Record) -> None:
         """Append ``record`` keeping history ordered by release time (the clock may be

@@ -82,16 +82,18 @@ def test_a_redis_waiter_whose_connection_is_killed_looks_again(
         cut.close()
 
 
-def test_a_postgres_waiter_whose_backend_is_terminated_looks_again() -> None:
+@CLIENTS
+def test_a_postgres_waiter_whose_backend_is_terminated_looks_again(client: str) -> None:
     name = f"dlock_cut_{os.urandom(4).hex()}"
     admin = postgres_admin()
     with schema_store(POSTGRES_URL, application_name=name) as case:
         held = Lock(case.backend, "job:cut-waiter")
         first = held.acquire()
         other = backend_from_url(case.url)
-        thread, got = in_thread(waiter(other, "job:cut-waiter", "blocking"))
+        thread, got = in_thread(waiter(other, "job:cut-waiter", client))
 
         def blocked() -> list[int]:
+            assert not got, f"the waiter ended instead of looking again: {got}"
             rows = admin.execute(
                 "SELECT pid FROM pg_stat_activity WHERE application_name = %s "
                 "AND state = 'active' AND wait_event_type = 'Lock'",

@@ -30,7 +30,8 @@ Guarantees
     durability: state and history survive process crashes; after a power loss the last
     writes may be missing unless ``fsync`` is on (history only; lock state dies with its
     holders anyway).
-    wait: woken by the kernel (inotify on the key's file, pidfd on the holder's process).
+    wait: woken by the kernel (inotify on the key's file, pidfd on the holder's process;
+    for the slots of a ``limit``, on every slot's file and holder at once).
 
 Portable mode (``?portable=1``; the default where there is no ``/proc``: macOS, the BSDs)
     the same files and ``flock``; a holder's process is identified through psutil (its
@@ -55,7 +56,7 @@ import random
 import select
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit
 
@@ -384,40 +385,47 @@ class FileBackend(LockBackend):
 
     def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Sleep until ``key``'s file changes or its holder's process exits, at most
-        ``timeout`` seconds. The watch is armed before the state is read, so a release
-        between the two is not missed."""
+        ``timeout`` seconds (see :meth:`wait_any`)."""
+        self.wait_any((key,), timeout)
+        return None  # no queue: nothing to keep
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """Sleep until the file of any of ``keys`` changes or one of their holders'
+        processes exits, at most ``timeout`` seconds: one inotify fd watches every file.
+        The watch is armed before the states are read, so a release between the two is
+        not missed."""
         if self.portable:
-            self._poll(key, timeout)
-            return None  # no queue: nothing to keep
-        path = os.path.join(self._locks_dir, file_name(key))
-        watch = Inotify.watch(path)
+            self._poll(keys, timeout)
+            return
+        watch = Inotify.watch(*(os.path.join(self._locks_dir, file_name(key)) for key in keys))
         waits: list[int] = [] if watch is None else [watch]
         try:
-            lease = self.get(key)
-            if lease is None or _ended(lease, self._clock()) is not None:
-                return None
-            if lease.expires_at is not None:
-                timeout = max(0.0, min(timeout, lease.expires_at - self._clock()))
-            process = watch_holder(lease.holder)
-            if process is not None:
-                waits.append(process)
+            for key in keys:
+                lease = self.get(key)
+                if lease is None or _ended(lease, self._clock()) is not None:
+                    return
+                if lease.expires_at is not None:
+                    timeout = max(0.0, min(timeout, lease.expires_at - self._clock()))
+                process = watch_holder(lease.holder)
+                if process is not None:
+                    waits.append(process)
             if not waits:
                 time.sleep(timeout)
-                return None
+                return
             with contextlib.suppress(InterruptedError):
                 select.select(waits, [], [], timeout)
         finally:
             for fd in waits:
                 os.close(fd)
-        return None  # no queue: nothing to keep
 
-    def _poll(self, key: str, timeout: float) -> None:
-        """``wait`` without kernel wakeups: look at the key every few tens of ms."""
+    def _poll(self, keys: Sequence[str], timeout: float) -> None:
+        """``wait_any`` without kernel wakeups: look at the keys every few tens of ms."""
         deadline = time.monotonic() + timeout
         while True:
-            lease = self.get(key)
-            if lease is None or _ended(lease, self._clock()) is not None:
-                return
+            for key in keys:
+                lease = self.get(key)
+                if lease is None or _ended(lease, self._clock()) is not None:
+                    return
             left = deadline - time.monotonic()
             if left <= 0:
                 return

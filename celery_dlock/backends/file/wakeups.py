@@ -1,4 +1,4 @@
-"""Kernel wakeups for ``FileBackend.wait``: inotify on the key's file, a pidfd on the
+"""Kernel wakeups for ``FileBackend.wait``: inotify on the keys' files, a pidfd on each
 holder's process."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ class Inotify:
     _MASK = 0x002 | 0x004 | 0x008 | 0x400
 
     @classmethod
-    def watch(cls, path: str) -> int | None:
-        """An inotify fd watching ``path``, or None where inotify cannot be had (not
-        Linux, the file is gone, the watch limit is reached): the caller then polls."""
+    def watch(cls, *paths: str) -> int | None:
+        """One inotify fd watching every one of ``paths``, or None where inotify cannot be
+        had (not Linux, a file is gone, the watch limit is reached): the caller then polls."""
         if cls._libc is None:
             libc = ctypes.CDLL(None, use_errno=True)
             cls._libc = libc if hasattr(libc, "inotify_init1") else False
@@ -31,9 +31,10 @@ class Inotify:
         fd = int(cls._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
         if fd < 0:
             return None
-        if cls._libc.inotify_add_watch(fd, os.fsencode(path), cls._MASK) < 0:
-            os.close(fd)
-            return None
+        for path in paths:
+            if cls._libc.inotify_add_watch(fd, os.fsencode(path), cls._MASK) < 0:
+                os.close(fd)
+                return None
         return fd
 
 

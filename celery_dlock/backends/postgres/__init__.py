@@ -56,7 +56,9 @@ Guarantees
     wait: woken by the server, first come first served: the waiters of a key queue on a
     per-key advisory lock, the first of them waits on the holder's advisory lock (under a
     transaction-local ``lock_timeout``), and a release wakes that one only. A process that
-    releases a key others wait for lets them have it before it takes it again.
+    releases a key others wait for lets them have it before it takes it again. A waiter
+    for any slot of a ``limit`` waits so on each slot in turn, 100 ms at a time (a
+    statement waits on one lock only), without a place in any queue.
 
 liveness=ttl (``PostgresTTLBackend``)
     For fleets with more worker processes than the server has connections to spare: no
@@ -81,7 +83,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from celery_dlock.backends.base import Capabilities, Place
@@ -151,19 +153,25 @@ class PostgresTTLBackend(PostgresBackend):
         return super().renew(lease, self.default_ttl if ttl is None else ttl)
 
     def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
-        """Poll ``key`` (one read each) with jittered pauses doubling from 50 ms to 1 s,
-        until it is free or its lease ran out (by this host's clock: an early return costs
+        """Poll ``key``: see :meth:`wait_any`."""
+        self.wait_any((key,), timeout)
+        return None
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """Poll ``keys`` (one read each) with jittered pauses doubling from 50 ms to 1 s,
+        until one is free or its lease ran out (by this host's clock: an early return costs
         one more try), or ``timeout`` seconds passed: nothing on the server pushes."""
         deadline = time.monotonic() + timeout
         pause = _POLL_FIRST
         while True:
-            lease = self.get(key)
+            leases = [self.get(key) for key in keys]
             remaining = deadline - time.monotonic()
-            if lease is None or remaining <= 0:
-                return None
-            until_expiry = None if lease.expires_at is None else lease.expires_at - time.time()
+            if None in leases or remaining <= 0:
+                return
+            ends = [x.expires_at for x in leases if x is not None and x.expires_at is not None]
+            until_expiry = min(ends) - time.time() if ends else None
             if until_expiry is not None and until_expiry <= 0:
-                return None
+                return
             nap = min(remaining, pause * random.uniform(0.5, 1.0))
             time.sleep(nap if until_expiry is None else min(nap, until_expiry + 0.001))
             pause = min(pause * 2, _POLL_LONGEST)

@@ -23,14 +23,14 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import psycopg
 
 from celery_dlock.backends.base import Place, validate_ttl
 from celery_dlock.backends.common import LoopLocal, ProcessLocal, retried_details, weakly
-from celery_dlock.backends.postgres import rows
+from celery_dlock.backends.postgres import rows, waiting
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.prepared import AsyncPreparedStatements
@@ -445,19 +445,26 @@ class AsyncPostgres:
         if conn is None:  # max_waiters are busy: poll
             await asyncio.sleep(min(timeout, random.uniform(0.025, 0.05)))
             return None
-        waiting = queued or _Queued(key, conn, state)
+        ours = queued or _Queued(key, conn, state)
         try:
             cursor = psycopg.AsyncClientCursor(conn)
             await cursor.execute(self._sql.wait if queued is None else self._sql.wait_again, params)
         except psycopg.Error as exc:
-            waiting.leave()
-            if exc.sqlstate not in _WAIT_ENDED or conn.closed:
+            ours.leave()
+            if conn.closed:  # only a wake-up, as in ``waiting.wait``: the next look raises
+                await asyncio.sleep(min(timeout, random.uniform(0.05, 0.1)))  # if it is down
+                return None
+            if exc.sqlstate not in _WAIT_ENDED:
                 raise translate(exc, "wait", self._url) from exc
             return None
         except BaseException:  # cancelled: psycopg cancelled it on the server
-            waiting.leave(close=True)
+            ours.leave(close=True)
             raise
-        return waiting
+        return ours
+
+    async def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """``waiting.wait_any`` on this loop: the keys take turns."""
+        await waiting.await_any(self.wait, keys, timeout)
 
     def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None]:
         """``Client.watch`` for a lease of this loop's session, by a task of the loop."""

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -373,6 +373,11 @@ class PostgresStore(LockBackend):
         ``timeout`` seconds, woken by the server; see :func:`waiting.wait`."""
         client = self._clients.get()
         return waiting.wait(client, self._sql, self.url, key=key, timeout=timeout, place=place)
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """Wait for any of ``keys``, at most ``timeout`` seconds: the keys take turns of
+        ``waiting.ANY_SLICE`` each; see :func:`waiting.wait_any`."""
+        waiting.wait_any(self.wait, keys, timeout)
 
     # -- the process's connections -------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Awaitable, Callable, Sequence
 
 import psycopg
 
@@ -19,7 +20,11 @@ from celery_dlock.backends.postgres.config import translate
 from celery_dlock.backends.postgres.session import Client, Queued
 from celery_dlock.backends.postgres.statements import Statements
 
-__all__ = ["wait"]
+__all__ = ["ANY_SLICE", "await_any", "wait", "wait_any"]
+
+#: Longest wait on one key of several (``wait_any``): a statement waits on one lock only,
+#: so the keys take turns, and a release of another key is seen within this many seconds.
+ANY_SLICE = 0.1
 
 
 def wait(
@@ -57,3 +62,33 @@ def wait(
             raise translate(exc, "wait", url) from exc
         return None
     return waiting
+
+
+def wait_any(
+    wait: Callable[[str, float], Place | None], keys: Sequence[str], timeout: float
+) -> None:
+    """Block until one of ``keys`` may have become free, at most ``timeout`` seconds: a
+    ``wait`` (the store's) on each in turn, from one picked at random, for up to
+    :data:`ANY_SLICE`: woken by the server for the key waited on, its place left at once."""
+    deadline = time.monotonic() + timeout
+    turn = random.randrange(len(keys))
+    while (left := deadline - time.monotonic()) > 0:
+        place = wait(keys[turn % len(keys)], min(left, ANY_SLICE))
+        if place is not None:  # the key is free, let go, its holder gone or expired
+            place.leave()
+            return
+        turn += 1
+
+
+async def await_any(
+    wait: Callable[[str, float], Awaitable[Place | None]], keys: Sequence[str], timeout: float
+) -> None:
+    """:func:`wait_any` with the asyncio client's ``wait``."""
+    deadline = time.monotonic() + timeout
+    turn = random.randrange(len(keys))
+    while (left := deadline - time.monotonic()) > 0:
+        place = await wait(keys[turn % len(keys)], min(left, ANY_SLICE))
+        if place is not None:
+            place.leave()
+            return
+        turn += 1

@@ -65,6 +65,8 @@ Guarantees
     wait: ``BLPOP`` on the key's signal list, which each release fills for the first
     waiter (Redis serves blocked clients first come, first served); bounded by the lease's
     expiry and by a 15 s fallback, since a wake-up can go to a waiter that then gives up.
+    A waiter for any slot of a ``limit`` blocks on all its slots' lists in one ``BLPOP``;
+    on a cluster, where they hash to different slots, on each bucket's in turn (100 ms).
 
 Install
     ``pip install 'celery-dlock[redis]'`` (redis-py 5 or newer; hiredis optional). Redis
@@ -73,7 +75,9 @@ Install
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+import time
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -88,7 +92,7 @@ from celery_dlock.backends.base import (
 )
 from celery_dlock.backends.redis import history
 from celery_dlock.backends.redis.aio import AsyncRedis
-from celery_dlock.backends.redis.calls import Calls
+from celery_dlock.backends.redis.calls import TURN, Calls
 from celery_dlock.backends.redis.client import Client, Connections, Wire, doubt
 from celery_dlock.backends.redis.cluster import ClusterConnections
 from celery_dlock.backends.redis.doctor import checks
@@ -325,14 +329,34 @@ class RedisBackend(LockBackend):
     def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """Block on the key's signal list until a release pushes a wake-up, the lease
         expires (by Redis's clock), ``timeout`` passes, or the 15 s fallback."""
-        if timeout <= 0:
-            return None
-        keys, args = self.calls.probe_call(key, timeout)
-        left = self._client.eval(PROBE, keys, args, operation="wait", key=key)
-        pause = self.calls.pause(left, timeout)
-        if pause is not None:
-            self._client.blpop(self._layout.names(key).signal, pause, key)
+        self.wait_any((key,), timeout)
         return None  # no queue: nothing to keep
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """``wait`` on the signal lists of all of ``keys`` at once, in one ``BLPOP``. On a
+        cluster, whose commands stay in one hash slot, the buckets of ``keys`` take turns
+        of up to ``TURN`` seconds each (a lock's slots are in different buckets)."""
+        deadline = time.monotonic() + timeout
+        groups = self._layout.by_bucket(keys) if self._client.cluster else [list(keys)]
+        turn = random.randrange(len(groups))
+        while (left := deadline - time.monotonic()) > 0:
+            group = groups[turn % len(groups)]
+            if self._woken(group, left if len(groups) == 1 else min(left, TURN)):
+                return
+            turn += 1
+
+    def _woken(self, keys: list[str], timeout: float) -> bool:
+        """One wait on ``keys`` of one bucket: True when one is free or a wake-up came."""
+        calls = [self.calls.probe_call(key, timeout) for key in keys]
+        lefts = self._client.run_all(
+            PROBE, [(1 + len(k) + len(a), bulks([len(k), *k, *a])) for k, a in calls],
+            operation="wait", key=", ".join(keys),
+        )  # fmt: skip
+        pauses = [self.calls.pause(left, timeout) for left in lefts]
+        if None in pauses:
+            return True
+        signals = [self._layout.names(key).signal for key in keys]
+        return self._client.blpop(signals, min(p for p in pauses if p is not None), keys[0])
 
     def async_store(self) -> AsyncRedis | None:
         """The asyncio client of this backend: the same scripts on redis-py's asyncio

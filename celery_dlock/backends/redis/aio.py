@@ -185,17 +185,27 @@ class AsyncRedis:
     async def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """``RedisBackend.wait`` on this loop: a cancelled wait closes its connection, and
         its ``BLPOP`` ends with it."""
-        if timeout <= 0:
-            return None
-        keys, args = self._calls.probe_call(key, timeout)
-        pause = self._calls.pause(await self._eval(PROBE, keys, args, "wait", key), timeout)
-        if pause is not None:
-            signal = self._calls.layout.names(key).signal
-            packed = bulks(["BLPOP", signal, f"{pause:.3f}"])
-            try:
-                await self._connections().send(packed, 3, timeout=pause + self._calls.slack)
-            except AMBIGUOUS:  # only a wake-up: look again (see Client.blpop)
-                await asyncio.sleep(min(pause, backoff(2)))
-            except RedisError as exc:
-                raise self._client.error("wait", key, exc) from exc
+        await self.wait_any((key,), timeout)
         return None
+
+    async def wait_any(self, keys: Sequence[str], timeout: float) -> None:
+        """``RedisBackend.wait_any`` on this loop (never a cluster's: see ``async_store``)."""
+        if timeout <= 0:
+            return
+        pauses: list[float] = []
+        for key in keys:
+            names, args = self._calls.probe_call(key, timeout)
+            left = await self._eval(PROBE, names, args, "wait", key)
+            pause = self._calls.pause(left, timeout)
+            if pause is None:  # free
+                return
+            pauses.append(pause)
+        signals = [self._calls.layout.names(key).signal for key in keys]
+        pause = min(pauses)
+        packed = bulks(["BLPOP", *signals, f"{pause:.3f}"])
+        try:
+            await self._connections().send(packed, len(keys) + 2, timeout=pause + self._calls.slack)
+        except AMBIGUOUS:  # only a wake-up: look again (see Client.blpop)
+            await asyncio.sleep(min(pause, backoff(2)))
+        except RedisError as exc:
+            raise self._client.error("wait", ", ".join(keys), exc) from exc

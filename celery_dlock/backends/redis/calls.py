@@ -19,7 +19,7 @@ from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.scripts import bulks
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
-__all__ = ["FALLBACK", "Calls", "ms"]
+__all__ = ["FALLBACK", "TURN", "Calls", "ms"]
 
 #: How long a release's wake-up waits in the signal list for a waiter, in ms.
 _SIGNAL_MS = "1000"
@@ -27,6 +27,9 @@ _SIGNAL_MS = "1000"
 #: waiters look again at least this often. ``Lock`` polls every second on its own anyway;
 #: this bounds direct callers, and stays above the contract's 10 s test of the push.
 FALLBACK = 15.0
+#: Longest ``BLPOP`` on one bucket's signal lists when a wait for several keys spans buckets
+#: (on a cluster one command stays in one hash slot): the buckets take turns.
+TURN = 0.1
 #: The details of a lease released because the reply to its acquire was lost.
 _SETTLED = encode_json(
     "the reply to this acquire was lost; its lease was released once Redis answered"

@@ -218,7 +218,12 @@ class Client:
         return self.run(script, 1 + len(keys) + len(args), tail, operation=operation, key=key)
 
     def run_all(
-        self, script: Script, calls: list[tuple[int, bytes]], *, operation: str
+        self,
+        script: Script,
+        calls: list[tuple[int, bytes]],
+        *,
+        operation: str,
+        key: str | None = None,
     ) -> list[Any]:
         """``run`` of ``script`` once per ``(count, tail)`` of ``calls``, pipelined: one
         round trip for the batch. For scripts that are safe to run twice: a batch that met
@@ -232,22 +237,26 @@ class Client:
                 replies = local.send_all(packed)
             except AMBIGUOUS as exc:
                 if attempt >= self.retries:
-                    raise self.error(operation, None, exc) from exc
+                    raise self.error(operation, key, exc) from exc
                 attempt += 1
                 time.sleep(backoff(attempt))
                 continue
             except RedisError as exc:
-                raise self.error(operation, None, exc) from exc
+                raise self.error(operation, key, exc) from exc
             failed = next((r for r in replies if isinstance(r, ResponseError)), None)
             if isinstance(failed, NoScriptError):
                 # Not loaded where the batch runs (a flushed cache, a new node): the first
                 # call by its source loads it there, then the rest of the batch by its SHA.
                 count, tail = calls[0]
                 first = local.send(script.by_source + tail, count + 2)
-                rest = self.run_all(script, calls[1:], operation=operation) if calls[1:] else []
+                rest = (
+                    self.run_all(script, calls[1:], operation=operation, key=key)
+                    if calls[1:]
+                    else []
+                )
                 return [first, *rest]
             if failed is not None:
-                raise self.error(operation, None, failed)
+                raise self.error(operation, key, failed)
             return replies
 
     def command(self, operation: str, *args: Any) -> Any:
@@ -265,17 +274,21 @@ class Client:
             except RedisError as exc:
                 raise self.error(operation, None, exc) from exc
 
-    def blpop(self, signal: bytes, timeout: float, key: str) -> None:
-        """Block on ``signal`` for up to ``timeout`` seconds. A wait is only a wake-up: one
+    def blpop(self, signals: Sequence[bytes], timeout: float, key: str) -> bool:
+        """Block on ``signals`` (lists of one hash slot) for up to ``timeout`` seconds,
+        until one of them holds a wake-up: whether one came. A wait is only a wake-up: one
         whose connection failed (a killed client, a restart) returns after a short pause
         and its waiter looks again; the store's state is read by that look, which raises
         if the store is down."""
         try:
-            self._local.get().call("BLPOP", signal, f"{timeout:.3f}", timeout=timeout + self.slack)
+            call = self._local.get().call
+            reply = call("BLPOP", *signals, f"{timeout:.3f}", timeout=timeout + self.slack)
         except AMBIGUOUS:
             time.sleep(min(timeout, backoff(2)))
+            return True
         except RedisError as exc:
             raise self.error("wait", key, exc) from exc
+        return reply is not None
 
     def error(self, operation: str, key: str | None, exc: RedisError) -> BackendError:
         what = f"redis {operation}" + ("" if key is None else f" of {key!r}")

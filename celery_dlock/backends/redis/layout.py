@@ -22,6 +22,7 @@ the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from celery_dlock.errors import ConfigurationError
@@ -66,6 +67,16 @@ class Layout:
         if self.buckets == 1:
             return 0
         return zlib.crc32(key.encode("utf-8", "surrogatepass")) % self.buckets
+
+    def by_bucket(self, keys: Sequence[str]) -> list[list[str]]:
+        """``keys`` grouped by bucket: the names one command may take on a cluster. With 16
+        buckets (a cluster's default) a lock's slots ``key#0`` .. ``key#9`` are each in a
+        bucket of its own, whatever the key: CRC-32 is linear, so two names that differ in
+        one character differ by a constant (checked for every pair, 300 random keys)."""
+        groups: dict[int, list[str]] = {}
+        for key in keys:
+            groups.setdefault(self.bucket(key), []).append(key)
+        return list(groups.values())
 
     def names(self, key: str) -> LockNames:
         """The keys of ``key``'s lock (cached: the hot path asks for the same few keys)."""
