@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_dlock import BackendError, Holder, Outcome
+from celery_dlock import BackendError, ConfigurationError, Holder, Outcome, backend_from_url
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.file.state import PAGE
 from celery_dlock.backends.naming import file_name
@@ -119,3 +119,11 @@ def test_a_spilled_state_stands_whatever_the_unused_spill_area_holds(tmp_path: P
     with pytest.raises(BackendError, match=f"lock file {path} of 'job:spill' is corrupt"):
         third.try_acquire(key, Holder.current(), None)
     assert os.path.getsize(path) >= used + length
+
+
+@pytest.mark.parametrize("gc_after", ["-1", "nan", "inf"])
+def test_a_bad_gc_after_is_refused_when_the_url_is_read(tmp_path: Path, gc_after: str) -> None:
+    """A negative or non-finite ``gc_after`` was taken (-1 collected every free file at once,
+    nan none): it is refused, naming the option."""
+    with pytest.raises(ConfigurationError, match="gc_after"):
+        backend_from_url(f"file://{tmp_path}/locks?gc_after={gc_after}")

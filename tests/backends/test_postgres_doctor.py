@@ -78,7 +78,7 @@ def test_a_schema_never_migrated_fails_and_names_migrate(schema: str) -> None:
 
     assert not checks["schema"].ok
     assert f"schema {schema!r} has none of the celery_dlock tables" in checks["schema"].detail
-    assert "run `celery dlock migrate`" in checks["schema"].detail
+    assert "run `celery-dlock migrate`" in checks["schema"].detail
     assert "auto_migrate=1" in checks["schema"].detail
     assert checks["postgres version"].ok and checks["pooler"].ok
 

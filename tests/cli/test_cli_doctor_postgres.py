@@ -44,6 +44,6 @@ def test_doctor_on_a_schema_never_migrated_fails_and_names_migrate(unmigrated_ur
     }
     assert rows["connect"].startswith("fail")
     assert rows["schema"].startswith("fail")
-    assert "has none of the celery_dlock tables: run `celery dlock migrate`" in rows["schema"]
+    assert "has none of the celery_dlock tables: run `celery-dlock migrate`" in rows["schema"]
     assert rows["pooler"].startswith("ok")
     assert result.stdout.splitlines()[-1] == "2 of 5 checks failed"

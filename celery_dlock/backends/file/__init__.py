@@ -13,9 +13,10 @@ Layout
     ``locks/<name>``: one file per key, its state as JSON ``{"key", "fence", "lease"}``.
     Every change happens under an exclusive ``flock`` on that file and is one ``pwrite``
     of less than a page at offset 0, padded with spaces, so a killed writer leaves the old
-    state or the new one, never a torn one. ``<name>`` is the key percent-encoded (only
-    ``A-Z a-z 0-9 _ : -`` stay), so ``/``, ``..`` and ``%`` cannot escape or collide; a
-    name over 200 bytes keeps a prefix and adds the key's SHA-256.
+    state or the new one, never a torn one (a longer state goes first to a spill area after
+    that page, which the page then points at: see ``file.state``). ``<name>`` is the key
+    percent-encoded (only ``A-Z a-z 0-9 _ : -`` stay), so ``/``, ``..`` and ``%`` cannot
+    escape or collide; a name over 200 bytes keeps a prefix and adds the key's SHA-256.
     ``history/<YYYY-MM-DD>.jsonl``: records, one JSON line each, appended by release day
     (UTC); pruning deletes whole days.
     ``success/<name>``: the last success of each (key, task name), for ``once``.
@@ -51,6 +52,7 @@ import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import random
 import select
@@ -124,6 +126,8 @@ class FileBackend(LockBackend):
         self.url = f"file://{self.directory}"
         self.fsync = fsync
         self.gc_after = float(gc_after)
+        if not math.isfinite(self.gc_after) or self.gc_after < 0:
+            raise ConfigurationError(f"gc_after must be a number of seconds >= 0, not {gc_after!r}")
         #: No inotify or pidfd: waits poll (holders are identified through psutil where
         #: there is no /proc: see ``Holder.current``).
         self.portable = (not _LINUX or portable_forced()) if portable is None else portable

@@ -258,8 +258,8 @@ def translate(exc: psycopg.Error, what: str, url: str) -> DLockError:
     if state in _NO_SCHEMA:
         return ConfigurationError(
             f"the celery_dlock tables are missing ({exc.diag.message_primary}): call the "
-            f"backend's migrate() (or `celery dlock migrate`), or add auto_migrate=1 to the "
-            f"URL [{url}]"
+            f"backend's migrate() (or `celery-dlock migrate`, `celery dlock migrate`), or add "
+            f"auto_migrate=1 to the URL [{url}]"
         )
     code = f" (SQLSTATE {state})" if state else ""
     text = str(exc).strip()

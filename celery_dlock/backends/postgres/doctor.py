@@ -48,7 +48,9 @@ HEADROOM = 0.1
 #: Seconds our second transaction may wait for a pooler's server connection.
 POOL_WAIT = 5.0
 
-_MIGRATE = "run `celery dlock migrate` (or the backend's migrate(); idempotent)"
+_MIGRATE = (
+    "run `celery-dlock migrate` or `celery dlock migrate` (or the backend's migrate(); idempotent)"
+)
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _RELATION = re.compile(
     r'(?:TABLE|SEQUENCE) IF NOT EXISTS ("[^"]+"\."[^"]+")|INDEX IF NOT EXISTS ("[^"]+")'

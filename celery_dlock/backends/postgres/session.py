@@ -62,8 +62,8 @@ def missing_tables(config: Config) -> ConfigurationError:
     """The error for a store whose tables are not there (and ``auto_migrate`` is off)."""
     return ConfigurationError(
         f"the celery_dlock tables are missing in schema {config.statements.names.schema!r}: "
-        f"call the backend's migrate() (or `celery dlock migrate`), or add auto_migrate=1 "
-        f"to the URL [{config.url}]"
+        f"call the backend's migrate() (or `celery-dlock migrate`, `celery dlock migrate`), "
+        f"or add auto_migrate=1 to the URL [{config.url}]"
     )
 
 
