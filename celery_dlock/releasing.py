@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from celery_dlock import metrics
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, remembered
-from celery_dlock.errors import BackendError
+from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.events import fields
 from celery_dlock.records import DETAILS_LIMIT, Lease, Outcome, Record, truncate_utf8
 
@@ -64,6 +64,15 @@ def release(
         if defer:
             unsettled.add(backend, ending)
         raise
+    except ConfigurationError as exc:
+        if ending.result is None:
+            raise
+        # The store refused the result (Postgres: NaN is not JSON) before writing anything;
+        # the lease, detached already, is released all the same, recorded without it.
+        note = f"result not stored: {exc}"
+        details = note if ending.details is None else f"{ending.details}\n{note}"
+        release(backend, ending._replace(result=None, details=details), retrying, defer)
+        raise
     metrics.store_call(backend.name, "release", started)
     if unsettled.items:
         unsettled.settle(backend)
@@ -74,14 +83,19 @@ def settle(
     backend: LockBackend, ending: Ending, record: Record | None, retrying: bool = False
 ) -> Record | None:
     """The end of a release whose store answered ``record``: counted, or, when the lease
-    was gone (None), recorded ``lost`` (its success kept for ``once``)."""
+    was gone (None), recorded ``lost`` (its success kept for ``once``). ``retrying``: an
+    earlier attempt of this release failed, and its own record, found in the history,
+    means it landed."""
     lease = ending.lease
     if record is not None:
         metrics.released(record)
         return record
     if retrying:  # an earlier attempt may have landed with its reply lost
         earlier = _record_of(backend, lease)
-        if earlier is not None:
+        # Another's record of the lease (the janitor's, a taker's ``disconnected``) settles
+        # its history, not what a success still owes ``once``.
+        owed = remembered(ending.outcome, ending.result, lease.holder.task_name) is not None
+        if earlier is not None and (earlier.outcome is ending.outcome or not owed):
             return earlier
     _record_lost(backend, ending)
     return None
@@ -142,8 +156,9 @@ class Unsettled:
     """Releases the store refused (it was down), oldest first, each tried again at this
     process's next release that reaches the same store: a lease still there is released
     with its own outcome; one the store lost meanwhile (a Postgres crash empties the locks
-    table) is recorded ``lost``, unless someone recorded it already (the janitor, a taker).
-    Those still waiting when the process ends are tried once more then (``settle_all``).
+    table) is recorded ``lost``, unless someone recorded it already (the janitor, a taker)
+    and it owes ``once`` no success (a success is kept, and recorded ``lost``, all the
+    same). Those still waiting when the process ends are tried once more then (``settle_all``).
     Bounded; a forked child starts with none (they are its parent's)."""
 
     def __init__(self) -> None:

@@ -35,9 +35,12 @@ def stored_result(task_name: str, result: Any) -> dict[str, Any]:
     """What a ``once`` success keeps for replays: ``{"value": result}`` (never None, so the
     store keeps it as the key's last success even when the task returned None), in kombu's
     JSON, as Celery's ``json`` serializer sends it: a ``Decimal``, ``datetime``, ``UUID`` or
-    ``bytes`` is kept tagged, and replayed as that type (:func:`replayed`)."""
+    ``bytes`` is kept tagged, and replayed as that type (:func:`replayed`). NaN and
+    Infinity, which Celery sends but JSON cannot hold (the Postgres store refuses them), are
+    not JSON here either, on every store."""
     try:
-        value = json.loads(kombu_json.dumps(result))  # type: ignore[no-untyped-call]
+        text = kombu_json.dumps(result)  # type: ignore[no-untyped-call]
+        value = json.loads(text, parse_constant=_not_json)
     except (TypeError, ValueError, RecursionError) as exc:
         logger.warning(
             "%s returned a value that is not JSON (%s: %s): once-replays will return None",
@@ -48,6 +51,10 @@ def stored_result(task_name: str, result: Any) -> dict[str, Any]:
         )
         return {"value": None, "unstored": type(result).__qualname__}
     return {"value": value}
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 def replayed(stored: Any) -> Any:
