@@ -413,11 +413,6 @@ def test_a_rolled_back_record_success_keeps_nothing_and_the_next_run_charges(
     assert outcomes == [Outcome.FAILED, Outcome.SUCCEEDED]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed (postgres store + task.py): a second record_success of the same lease "
-    "is refused as another run's success",
-)
 @pytest.mark.parametrize("plan", ["twice_in_one_transaction", "then_a_receipt"])
 def test_record_success_twice_in_one_run_keeps_the_run_s_own_success(
     ledger_app: tuple[Any, Any, Any], plan: str

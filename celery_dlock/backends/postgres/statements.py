@@ -188,20 +188,20 @@ class Statements:
             "SELECT %(key)s, %(task_name)s, %(token)s, %(fence)s, CAST(%(holder)s AS json), "
             "%(acquired_at)s, %(expires_at)s, %(released_at)s, 'succeeded', %(problem)s, "
             "%(details)s, CAST(%(result)s AS json){source}\n"
-            "ON CONFLICT (key, task_name) DO NOTHING\nRETURNING 1"
+            "ON CONFLICT (key, task_name) {conflict}\nRETURNING 1"
         )
+        durable = "\nFROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
         self.remember = (
             "-- remember: a success record's fields, its task name | 1 when kept; no row when "
-            "a success of that key and task is kept already (first wins). Committed durably, "
-            "as the once results of release_success are.\n"
-            + keep.format(
-                source="\nFROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
-            )
+            "a success of that key and task is kept already (first wins); committed durably\n"
+            + keep.format(source=durable, conflict="DO NOTHING")
         )
+        again = ", ".join(f"{column} = excluded.{column}" for column in _RECORD.split(", ")[1:])
+        ours = f"DO UPDATE SET {again}\n  WHERE {n.successes}.token = excluded.token"
         self.record_success = (
             "-- record_success: as remember, in the caller's own transaction and connection "
-            "(psycopg or psycopg2, so nothing server- or driver-specific), committed by the "
-            "caller\n" + keep.format(source="")
+            "(psycopg or psycopg2), committed by the caller; the run's own (token) is updated\n"
+            + keep.format(source="", conflict=ours)
         )
 
     def _take_over(self, grant: str, returning: str, pid: str) -> None:
