@@ -1,14 +1,19 @@
 """The torture checker's overlap rule and its rule for a lease's records
 (``bench/torture/check.py``), on sections made by hand: which it excuses and which it
-reports."""
+reports; and the run's check that the file store's disk did not stay full."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 
-from bench.torture.check import Report, Section, check_sections, wrong_record
+from bench.torture.check import Report, Section, check_history, check_sections, wrong_record
+from bench.torture.run import check_disk
+from bench.torture.servers import FileStore, disk_mib
+from celery_dlock import Lock, backend_from_url
+from tests.support import unavailable
 
 KEY = "torture:k:0"
 
@@ -57,6 +62,24 @@ def test_other_overlaps_with_a_killed_holder_are_reported(case: str) -> None:
     assert report.violations >= 1 and report.overlaps == 1, report.problems
 
 
+@pytest.mark.parametrize(("release", "violations"), [("lost", 0), ("error", 0), ("ok", 1)])
+def test_a_fenced_overlap_is_excused_unless_the_earlier_lease_outlived_it(
+    release: str, violations: int
+) -> None:
+    """The later holder's higher fence refused the earlier one's write: a lease that
+    expired or was lost. But if the earlier one's release then found its lease still there
+    (``ok``), the store held both at once: a double grant, whatever the fence stopped."""
+    earlier = Section(KEY, "a", 10, start=100.0, log="w01.0001.jsonl", end=100.5)
+    earlier.ended, earlier.read, earlier.accepted, earlier.release = True, 7, False, release
+    later = Section(KEY, "b", 11, start=100.2, log="w02.0001.jsonl", end=100.201)
+    later.ended, later.read, later.accepted, later.release, later.landed = (
+        True, 7, True, "ok", True,
+    )  # fmt: skip
+    report = overlap(earlier, [], later)
+    assert (report.violations, report.fenced_overlaps) == (violations, 1 - violations)
+    assert report.overlaps == violations, report.problems
+
+
 @pytest.mark.parametrize(
     ("release", "found", "right"),
     [
@@ -74,3 +97,67 @@ def test_a_lease_s_records_must_match_how_its_release_ended(
     section = Section(KEY, "a", 10, start=100.0, log="w01.0001.jsonl", end=100.001)
     section.ended, section.release = True, release
     assert (wrong_record(section, found) is None) is right
+
+
+@pytest.mark.parametrize(
+    ("kind", "killed", "excused"),
+    [
+        ("immediate", True, True),
+        ("wiped", True, True),
+        ("fast", True, False),  # a clean shutdown loses no lease
+        ("immediate", False, False),  # its release ran after the crash: it recorded it
+    ],
+)
+def test_a_lease_a_crash_took_from_a_holder_killed_after_it_may_have_no_record(
+    kind: str, killed: bool, excused: bool
+) -> None:
+    """A long section (renewed) granted before a Postgres ``-m immediate``, its holder
+    killed after the restart and before its release: the lease died with the UNLOGGED
+    locks table, and only that release would have recorded it ``lost`` (a 90 s run with
+    ttl 1 and sections up to 2.5 s, 2026-11-26). Not so after a clean restart, nor for a
+    holder whose release said how it ended."""
+    section = Section(KEY, "a", 557, start=100.0, log="w04.0005.jsonl", end=101.9)
+    if killed:
+        section.killed = True
+    else:
+        section.ended, section.accepted, section.release = True, False, "lost"
+    restart = {"e": "restart", "kind": kind, "t": 100.9, "t_end": 101.2}
+    report = Report("postgres")
+    backend = backend_from_url(f"memory://torture-check-{kind}-{killed}")
+    try:
+        check_history({KEY: [section]}, backend, [restart], report)
+    finally:
+        backend.close()
+    assert (report.excused_records, report.lost_records) == (int(excused), int(not excused))
+    assert report.violations == int(not excused), report.problems
+
+
+def test_a_file_store_disk_left_full_by_its_history_fails_the_run() -> None:
+    """A 300 s run's history (about 450 bytes an acquisition) filled a fixed 8 MiB tmpfs a
+    minute in, and every acquire failed from then on: the tmpfs is sized by the run, and a
+    disk still full at the end, the filler gone, fails the run."""
+    if os.geteuid() != 0:
+        unavailable("mounting the file store's tmpfs needs root")
+    assert disk_mib(300) >= 8 + 300
+    store = FileStore(full_disk=True, size_mib=1)
+    backend = backend_from_url(store.url())
+    try:
+        with Lock(backend, "torture:k:disk", ttl=3):
+            pass
+        store.fill(0.01)  # a disk full that passed
+        report = Report("file")
+        check_disk(store, report)
+        assert report.violations == 0, report.problems
+        grown = os.open(store.directory / "locks" / "history" / "grown", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:  # the history grown to the last page
+                    os.write(grown, bytes(4096))
+        finally:
+            os.close(grown)
+        check_disk(store, report)
+        assert report.violations == 1
+        assert str(store.directory) in report.problems[0], report.problems
+    finally:
+        backend.close()
+        store.stop()

@@ -28,6 +28,10 @@ fence and releases them; each lease is a section of its own to the checker. ``--
 the workers take their key through ``AsyncLock`` on an event loop (the store's asyncio
 client where it has one: Postgres, Redis; renewal as a task of the loop).
 
+Sections last at most ``--hold`` (3 ms), far below the ttl: renewal (every ttl / 3) never
+runs. ``--ttl 1 --hold 2.5 --wait 5`` makes sections that outlive their ttl, kept by
+renewal, with kills, pauses and restarts inside them (a few hundred acquisitions a minute).
+
 ``--partitions N`` (Postgres and Redis; root, ``ip`` and ``nft``): ``--cut-off`` more workers
 run in a network namespace joined to the host by a veth pair (``netns.py``), reaching the
 store on the host's end of the pair. A partition SIGSTOPs one of them inside its section,
@@ -52,9 +56,11 @@ fake-gcs-server (``gs://``), started by ``tests/support/objectstore_servers.py``
 and stopped after; chaos is kills and pauses only (no restarts: fake-gcs-server keeps its
 objects in memory; no partitions). ttl and wait default to 1 s there (3-5 ms a call).
 
-``--diskfulls N`` (file store, root): the store's directory is a tmpfs of 8 MiB, which a
-filler file fills to the last byte for a second, N times; acquires and releases then fail
-with ``BackendError`` (a store error to the workers), and the checker's rules stay the same.
+``--diskfulls N`` (file store, root): the store's directory is a tmpfs (8 MiB, and 1 MiB
+more per second of the run for its history), which a filler file fills to the last byte
+for a second, N times; acquires and releases then fail with ``BackendError`` (a store error
+to the workers), and the checker's rules stay the same. A tmpfs still full at the end (of
+history) fails the run.
 
 ``soak.py``: the Celery soak, through a real prefork worker (its own docstring).
 

@@ -6,7 +6,9 @@ just before its release (``end``), or to the moment its worker was SIGKILLed. Wh
 
 1. No two sections on one key overlap in time, unless the later one's fence is higher and the
    ledger refused the earlier one's write ("fenced"; the ledger refuses a fence lower than
-   one that has read, see ``ledger.py``). One more exception ("serialized"): the
+   one that has read, see ``ledger.py``), and the earlier one's release did not find its
+   lease still there (then the store held two leases at once: a double grant that the
+   fence happened to stop). One more exception ("serialized"): the
    earlier holder lost its lease to a recorded fault (a pause past the ttl, a partition, or a
    store restart, between its write and its release) after its write was accepted, and the
    later one read that write; or it lost its lease so and was killed before it wrote. A
@@ -24,7 +26,9 @@ just before its release (``end``), or to the moment its worker was SIGKILLed. Wh
    that may lose data came after it: Postgres ``-m immediate`` (the last ~0.6 s of history,
    and the locks table: a live or dead lease not yet recorded never will be), a wiped
    Redis (everything), or a Redis Cluster failover (what the dying primary wrote in its
-   last moments, see ``_excuse``).
+   last moments, see ``_excuse``); or such a restart (not a failover) came during the
+   section of a holder that died before its release said how it ended (the lease died with
+   the store's data, and only its release would have recorded it ``lost``).
 """
 
 from __future__ import annotations
@@ -304,7 +308,11 @@ def check_sections(
         for section in sections:
             open_sections = [other for other in open_sections if other.end > section.start]
             for earlier in open_sections:
-                if section.fence > earlier.fence and earlier.accepted is False:
+                if (
+                    section.fence > earlier.fence
+                    and earlier.accepted is False
+                    and earlier.release != "ok"
+                ):
                     report.fenced_overlaps += 1
                     continue
                 if _serialized(earlier, section, events):
@@ -327,13 +335,19 @@ def _excuse(section: Section, restarts: list[dict[str, Any]]) -> dict[str, Any] 
     recorded (the README's known gap); a Redis Cluster failover loses what the primary
     wrote in its last moments (from shortly before the chaos thread cut its replica off
     until it died), so a lease granted or released then is unknown to its replica, or
-    still held there until it expires. None if there is none."""
+    still held there until it expires. Also a crash or a wipe during the section of a holder
+    that died before its release said how it ended: its lease died with the data, and only
+    that release would have recorded it (``lost``). None if there is none."""
     for restart in restarts:
         if restart["kind"] == "failover":
             if section.end >= restart["t"] - CRASH_WINDOW and section.start <= restart["t_end"]:
                 return restart
             continue
-        if restart["kind"] not in LOSSY or restart["t_end"] < section.end:
+        if restart["kind"] not in LOSSY:
+            continue
+        if restart["t_end"] < section.end:
+            if restart["t_end"] >= section.start and not _acknowledged(section):
+                return restart  # the lease lived through the crash; its holder did not
             continue
         if restart["kind"] == "wiped" or not _acknowledged(section):
             return restart

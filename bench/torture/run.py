@@ -24,7 +24,7 @@ from .chaos import FREE_LIMIT, Chaos, Cutoff, Fleet
 from .check import Report, check
 from .ledger import Ledger, open_ledger
 from .netns import Network
-from .servers import PooledPostgresServer, Store, make_store
+from .servers import DISK_FULL, PooledPostgresServer, Store, make_store
 from .worker import Job
 
 __all__ = ["Settings", "torture"]
@@ -169,12 +169,27 @@ def acquisitions(directory: Path) -> int:
     return sum(path.read_bytes().count(b'"e":"begin"') for path in directory.glob("*.jsonl"))
 
 
+def check_disk(store: Store, report: Report) -> None:
+    """Fail a run whose file store's tmpfs is still full once the filler is gone: its
+    history filled it, and every acquire and release failed from then on (not one second
+    per disk full)."""
+    free = store.disk_free()
+    if free is not None and free < DISK_FULL:
+        report.fail(
+            f"the file store's tmpfs ({store.directory}, {free} bytes free) filled up with "
+            "its history: its disk stayed full (a larger tmpfs: servers.DISK_MIB_PER_SECOND)"
+        )
+
+
 def torture(settings: Settings) -> Report:
     """Run ``settings`` and check it."""
     run_id = os.urandom(4).hex()
     directory = Path(tempfile.mkdtemp(prefix=f"dlock-torture-run-{settings.store}-"))
     store = make_store(
-        settings.store, restart_delay=max(1.0, settings.ttl / 2), full_disk=settings.diskfulls > 0
+        settings.store,
+        restart_delay=max(1.0, settings.ttl / 2),
+        full_disk=settings.diskfulls > 0,
+        seconds=settings.seconds * (2 if settings.at_least else 1),  # at_least: overtime
     )
     ledger: Ledger | None = None
     backend: LockBackend | None = None
@@ -207,6 +222,7 @@ def torture(settings: Settings) -> Report:
             (directory / "ledger.json").write_text(json.dumps(ledger.dump()))
         report = check(directory, settings.store, backend, ledger)
         report.duration = duration
+        check_disk(store, report)
         for error in chaos.errors:
             report.fail(f"chaos: {error}")
         if left:

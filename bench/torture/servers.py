@@ -10,9 +10,9 @@ checked):
   the next start) and ``fast`` (``-m fast``: sessions ended, a clean shutdown).
 - redis: ``wiped`` (SIGKILL, restarted with no data: a Redis without persistence) and ``aof``
   (SIGKILL, restarted on its ``appendfsync always`` file: nothing lost).
-- file: no server, no restarts. With ``full_disk`` its directory is a tmpfs of 8 MiB
-  (``mount``, as root; unmounted at the end), which ``fill(seconds)`` fills with a filler
-  file, then empties: a full disk (ENOSPC) for ``seconds``.
+- file: no server, no restarts. With ``full_disk`` its directory is a tmpfs of ``disk_mib``
+  (``mount``, as root; unmounted at the end; see ``disk_mib``), which ``fill(seconds)``
+  fills with a filler file, then empties: a full disk (ENOSPC) for ``seconds``.
 - redis-cluster: ``failover`` (a primary SIGKILLed, its replica promoted; see
   :class:`RedisClusterServer`).
 - s3 and gcs: a private SeaweedFS (``weed mini``) and a private fake-gcs-server (in memory),
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import pwd
 import shlex
@@ -48,6 +49,19 @@ __all__ = [
 PG_BIN = Path(os.environ.get("DLOCK_TORTURE_PG_BIN", "/usr/lib/postgresql/15/bin"))
 #: Restarts that may lose what the store wrote shortly before (see ``check.py``).
 LOSSY = {"immediate", "wiped", "failover"}
+#: The file store's tmpfs (``full_disk``): 8 MiB, and 1 MiB more for each second a run may
+#: last (``disk_mib``), since its history grows on it: about 450 bytes an acquisition, up to
+#: ~1,000 acquisitions a second on two cores. A fixed 8 MiB was full of history a minute into
+#: a 300 s run (18,591 acquisitions): every acquire and release failed from then on.
+DISK_MIB = 8
+DISK_MIB_PER_SECOND = 1
+#: Free bytes below which a file store's tmpfs counts as full at the end of a run.
+DISK_FULL = 64 << 10
+
+
+def disk_mib(seconds: float) -> int:
+    """The size of the file store's tmpfs for a run of up to ``seconds``."""
+    return DISK_MIB + math.ceil(seconds * DISK_MIB_PER_SECOND)
 
 
 def free_port() -> int:
@@ -93,6 +107,10 @@ class Store:
         """Fill the store's disk for ``seconds``; returns when it was full."""
         raise ValueError(f"the {self.name} store's disk cannot be filled")
 
+    def disk_free(self) -> int | None:
+        """Bytes free on the store's own disk; None if it has none (not a tmpfs)."""
+        return None
+
     def stop(self) -> None:
         """Stop the server and remove its files."""
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -101,11 +119,12 @@ class Store:
 class FileStore(Store):
     name = "file"
 
-    def __init__(self, full_disk: bool = False) -> None:
+    def __init__(self, full_disk: bool = False, size_mib: int = DISK_MIB) -> None:
         super().__init__()
-        self.mounted = False
+        self.mounted, self.size_mib = False, size_mib
         if full_disk:
-            command = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(self.directory)]
+            size = f"size={size_mib}m"
+            command = ["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(self.directory)]
             subprocess.run(command, capture_output=True, timeout=30, check=True)
             self.mounted = True
 
@@ -134,6 +153,12 @@ class FileStore(Store):
             os.close(fd)
             filler.unlink()
         return full
+
+    def disk_free(self) -> int | None:
+        if not self.mounted:
+            return None
+        stat = os.statvfs(self.directory)
+        return stat.f_bavail * stat.f_frsize
 
     def stop(self) -> None:
         if self.mounted:
@@ -375,11 +400,13 @@ class ObjectStoreServer(Store):
         super().stop()
 
 
-def make_store(name: str, restart_delay: float, full_disk: bool = False) -> Store:
+def make_store(
+    name: str, restart_delay: float, full_disk: bool = False, seconds: float = 0.0
+) -> Store:
     """The private store for ``name`` (not started); a file store on a tmpfs that
-    ``fill`` can fill if ``full_disk``."""
+    ``fill`` can fill if ``full_disk``, sized for a run of up to ``seconds``."""
     if name == "file":
-        return FileStore(full_disk)
+        return FileStore(full_disk, disk_mib(seconds))
     if name in ObjectStoreServer.STARTERS:
         return ObjectStoreServer(name)
     if name == "postgres":

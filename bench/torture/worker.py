@@ -137,7 +137,9 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log
 
 async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) -> None:
     """``section`` through :class:`AsyncLock` (the store's asyncio client where it has one,
-    renewal as a task of the loop); the ledger's calls block the loop for their moment."""
+    renewal as a task of the loop); the section's blocking work (the ledger's calls, the
+    hold) runs in a thread, as asyncio code does: a hold that blocked the loop past the ttl
+    stopped the renewal and lost the lease (``--ttl 1 --hold 2.5``: 265 of 465 leases)."""
     lock = AsyncLock(backend, key, ttl=job.ttl, wait=job.wait, limit=job.limit)
     try:
         lease = await lock.acquire()
@@ -145,7 +147,7 @@ async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str
         not_taken(exc, log)
         await asyncio.sleep(0)  # let the loop run what the failed try left to it
         return
-    write(job, ledger, [lease], log)
+    await asyncio.to_thread(write, job, ledger, [lease], log)
     try:
         release = "ok" if await lock.release() is not None else "lost"
     except BackendError:
