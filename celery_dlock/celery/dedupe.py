@@ -382,12 +382,20 @@ def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
 def _runs(task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether the store holds a body lease of ``task_id`` on ``task``'s keys for these
     arguments (on any of its slots, with a ``lock_limit``)."""
+    return any(lease.holder.task_id == task_id for _, lease in body_leases(task, args, kwargs))
+
+
+def body_leases(task: Any, args: Any, kwargs: Any) -> list[tuple[Lock, Lease]]:
+    """Every lease on the body keys of ``task`` for these arguments now (each slot of a
+    ``lock_limit``), with the Lock of its key, to end one by its token.
+
+    Raises:
+        DLockError: the store failed, or the arguments render no key.
+    """
     backend = settings(task.app).backend
-    return any(
-        lease.holder.task_id == task_id
-        for key in task.lock_keys_for(args, kwargs)
-        for lease in Lock(backend, key, limit=task.lock_limit).holders()
-    )
+    keys = task.lock_keys_for(tuple(args or ()), dict(kwargs or {}))
+    locks = [Lock(backend, key, limit=getattr(task, "lock_limit", 1)) for key in keys]
+    return [(lock, lease) for lock in locks for lease in lock.holders()]
 
 
 def end_mark_of_attempt(

@@ -32,7 +32,7 @@ from celery.worker.control import Panel
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.busy import RETRY_HEADER, header
-from celery_dlock.celery.dedupe import release_mark
+from celery_dlock.celery.dedupe import body_leases, release_mark
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import DLockError
 from celery_dlock.events import fields
@@ -111,11 +111,7 @@ def release_kept(task: Any, request: Any, outcome: Outcome, why: str) -> Record 
     if token is None or not callable(getattr(task, "lock_keys_for", None)):
         return None
     try:
-        backend = settings(task.app).backend
-        keys = task.lock_keys_for(tuple(request.args or ()), dict(request.kwargs or {}))
-        locks = [Lock(backend, key, limit=getattr(task, "lock_limit", 1)) for key in keys]
-        found = [(lock, lease) for lock in locks for lease in lock.holders()]
-        for lock, lease in found:
+        for lock, lease in body_leases(task, request.args, request.kwargs):
             if lease.token == token:
                 details = f"{why}: the lease its attempt kept for it is released"
                 return lock.end(lease, outcome, None, details)

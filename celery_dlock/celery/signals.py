@@ -26,7 +26,7 @@ from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
 from celery_dlock.celery import revoking
-from celery_dlock.celery.dedupe import end_mark_of_attempt
+from celery_dlock.celery.dedupe import body_leases, end_mark_of_attempt
 from celery_dlock.celery.settings import enable_metrics, settings
 from celery_dlock.errors import DLockError
 from celery_dlock.events import fields
@@ -151,16 +151,8 @@ def release_dead_attempt(
     ``wait`` seconds for it to go). Returns the record, None, or ``_WAITING`` when the holder
     is still alive and ``wait`` is 0."""
     try:
-        keys = task.lock_keys_for(tuple(args or ()), dict(kwargs or {}))
-        limit = getattr(task, "lock_limit", 1)
-        backend = settings(task.app).backend
-        locks = [Lock(backend, key, limit=limit) for key in keys]
-        ours = [
-            (lock, lease)
-            for lock in locks
-            for lease in lock.holders()
-            if lease.holder.task_id == task_id
-        ]
+        found = body_leases(task, args, kwargs)
+        ours = [(lock, lease) for lock, lease in found if lease.holder.task_id == task_id]
     except DLockError as exc:
         extra = fields("dead_lookup_failed", task_id=task_id)
         logger.error("cannot look up the lease of %s[%s]: %s", task.name, task_id, exc, extra=extra)

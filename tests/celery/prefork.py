@@ -74,9 +74,12 @@ class Worker:
         self.tasks = workerapp
         self.store: LockBackend = backend_from_url(lock_url)
 
+    #: The module (beside this file) of the app the worker runs.
+    module = "workerapp"
+
     def start(self, concurrency: int = 4) -> Worker:
         args = [
-            sys.executable, "-m", "celery", "-A", "workerapp", "worker",
+            sys.executable, "-m", "celery", "-A", self.module, "worker",
             "--pool=prefork", f"--concurrency={concurrency}", "--without-gossip",
             "--without-mingle", "--without-heartbeat", "--loglevel=INFO", f"--queues={self.queue}",
             f"--hostname={self.hostname}",

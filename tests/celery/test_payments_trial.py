@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from celery_dlock import Outcome
-from tests.celery.prefork import HERE, Worker
+from tests.celery.prefork import Worker
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -27,6 +27,8 @@ pytestmark = pytest.mark.slow
 
 class PaymentsWorker(Worker):
     """A prefork worker of ``tests.celery.paymentsapp``."""
+
+    module = "paymentsapp"
 
     def __init__(self, tmp: Path, redis_url: str, lock_url: str, **env: str) -> None:
         super().__init__(tmp, redis_url, lock_url, **env)
@@ -42,19 +44,7 @@ class PaymentsWorker(Worker):
         self.gateway = tmp / "gateway.jsonl"
 
     def start(self, concurrency: int = 2) -> PaymentsWorker:
-        args = [
-            sys.executable, "-m", "celery", "-A", "paymentsapp", "worker",
-            "--pool=prefork", f"--concurrency={concurrency}", "--without-gossip",
-            "--without-mingle", "--without-heartbeat", "--loglevel=INFO", f"--queues={self.queue}",
-            f"--hostname={self.hostname}",
-        ]  # fmt: skip
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(args, env=self.env, stdout=log, stderr=log, cwd=HERE)
-        eventually(
-            lambda: self.app.control.ping(destination=[self.hostname], timeout=0.5),
-            "worker ready",
-            timeout=60,
-        )
+        super().start(concurrency)
         return self
 
     def gateway_calls(self, order: str) -> list[dict[str, Any]]:

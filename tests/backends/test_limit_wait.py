@@ -21,8 +21,7 @@ import os
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,21 +29,11 @@ import pytest
 import celery_dlock.aio  # noqa: F401 - loaded for no_polls
 from celery_dlock import AsyncLock, Lease, Lock, Outcome
 from celery_dlock.backends.base import LockBackend
-from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
 from tests.support import eventually
 
 #: Longer than the test waits for anything: a look (a poll) never comes in time.
 NEVER = 600.0
-
-
-@pytest.fixture(params=sorted(STORES))
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreCase]:
-    with STORES[request.param].open_store(tmp_path, request) as case:
-        try:
-            yield case
-        finally:
-            case.backend.close()
 
 
 @pytest.fixture
