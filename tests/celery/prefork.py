@@ -62,7 +62,9 @@ class Worker:
         self.process: subprocess.Popen[bytes] | None = None
         os.environ.update({k: v for k, v in self.env.items() if k.startswith("DLOCK_TEST_")})
         # Imported only now: it reads the DLOCK_TEST_* settings just set when first imported.
-        workerapp = importlib.import_module("tests.celery.workerapp")
+        # Its own app's module only: another app's default queue would stay on this worker's
+        # queue after it stopped, and the tests after it would send there.
+        workerapp = importlib.import_module(f"tests.celery.{self.module}")
         self.app = workerapp.app
         self.previous_queue = self.app.conf.task_default_queue
         self.app.conf.update(

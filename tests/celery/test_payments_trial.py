@@ -6,7 +6,6 @@ janitor's pruning of a ``once`` success's history, and what the metrics count.""
 
 from __future__ import annotations
 
-import importlib
 import json
 import signal
 import subprocess
@@ -32,15 +31,6 @@ class PaymentsWorker(Worker):
 
     def __init__(self, tmp: Path, redis_url: str, lock_url: str, **env: str) -> None:
         super().__init__(tmp, redis_url, lock_url, **env)
-        payments = importlib.import_module("tests.celery.paymentsapp")
-        payments.app.conf.update(
-            broker_url=self.env["DLOCK_TEST_BROKER"],
-            result_backend=self.env["DLOCK_TEST_RESULTS"],
-            dlock_backend=lock_url,
-            task_default_queue=self.queue,
-        )
-        self.app = payments.app
-        self.tasks = payments
         self.gateway = tmp / "gateway.jsonl"
 
     def start(self, concurrency: int = 2) -> PaymentsWorker:
