@@ -3,6 +3,7 @@ broker, what its bodies write to a ledger, and the checks read from it."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,13 +26,32 @@ from tests.support import eventually
 HERE = Path(__file__).parent
 
 
+#: The Redis database pairs (broker, results) of the Celery tests, one per pytest process.
+_PAIRS = ((2, 3), (10, 11), (12, 13), (14, 15))
+_claimed: list[int] = []  # the lock file descriptor of the pair this process holds, for its life
+
+
 def _databases() -> tuple[int, int]:
-    """The Redis databases of the broker and the results: 2 and 3, or a pair of this
-    pytest-xdist worker's own (gw1: 10 and 11, ... gw3: 14 and 15), flushed at its start."""
+    """The Redis databases of the broker and the results, flushed at this process's start:
+    its pytest-xdist worker's own pair first (gw0: 2 and 3, gw1: 10 and 11, ...), else the
+    first pair no other pytest process on this machine holds (an ``flock`` on a file per
+    pair). Two sessions at once (a developer's beside CI) once flushed each other's broker."""
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
-    if worker > 3:
-        raise RuntimeError("the Celery tests have Redis databases for 4 xdist workers at most")
-    return (2, 3) if worker == 0 else (8 + 2 * worker, 9 + 2 * worker)
+    for n in range(len(_PAIRS)):
+        pair = _PAIRS[(worker + n) % len(_PAIRS)]
+        path = Path(tempfile.gettempdir()) / f"celery-dlock-tests-redis-{pair[0]}.lock"
+        lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            continue
+        _claimed.append(lock)
+        return pair
+    raise RuntimeError(
+        f"the Celery tests' Redis database pairs {_PAIRS} are all held by other pytest "
+        "processes on this machine: at most 4 at once"
+    )
 
 
 BROKER_DB, RESULTS_DB = _databases()
