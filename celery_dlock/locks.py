@@ -2,8 +2,11 @@
 
 Keys are taken in sorted order with one try each; when one is busy, the keys taken so far
 are released at once (recorded ``skipped``, naming the busy key) and the whole set is tried
-again after waiting on the busy key. No holder ever waits while holding part of a set, so
-two sets taken in opposite orders (1 then 2, 2 then 1) cannot deadlock.
+again after waiting on the busy key, that key first: while it stays busy, nothing is taken
+(and recorded) again. No holder ever waits while holding part of a set, so two sets taken
+in opposite orders (1 then 2, 2 then 1) cannot deadlock; and a try that took a key out of
+order and then met a busy one goes back to the sorted order, so two sets that each took the
+other's key first do not meet that way again and again.
 """
 
 from __future__ import annotations
@@ -16,16 +19,13 @@ from types import TracebackType
 from typing import Any, Literal
 
 from celery_dlock.backends.base import LockBackend, Place
-from celery_dlock.errors import (
-    BackendError,
-    ConfigurationError,
-)
+from celery_dlock.errors import BackendError, ConfigurationError, LockLostError
 from celery_dlock.keys import validate_key
-from celery_dlock.lock import DEFAULT, POLL, Lock, _Default, end_block, validate_wait
+from celery_dlock.lock import DEFAULT, POLL, Lock, _Default, validate_wait
 from celery_dlock.process import shared_backend
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
-__all__ = ["Locks", "lock"]
+__all__ = ["Locks", "lock", "lost_lease"]
 
 
 class Locks:
@@ -107,9 +107,10 @@ class Locks:
         # tried again: left before the try, a waiter that had just released the key would
         # let the next waiter have it, and that one the next (Postgres: a second's stall).
         place: Place | None = None
+        first: Lock | None = None
         try:
             while True:
-                busy, place = self._try_all(place)
+                busy, place, first = self._try_all(place, first)
                 if busy is None:
                     return self.leases
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -122,17 +123,24 @@ class Locks:
             if place is not None:
                 place.leave()
 
-    def _try_all(self, place: Place | None) -> tuple[Lock | None, Place | None]:
-        """One try at every key in order, ``place`` given to its key's try: the busy Lock
-        (with nothing held), or None, and the place if it is still the caller's."""
+    def _try_all(
+        self, place: Place | None, first: Lock | None = None
+    ) -> tuple[Lock | None, Place | None, Lock | None]:
+        """One try at every key in order (``first`` first), ``place`` given to its key's
+        try: the busy Lock (with nothing held), or None; the place if it is still the
+        caller's; and the key to try first next time."""
         taken: list[Lock] = []
+        # Trying the key found busy first takes nothing while it stays busy: the keys
+        # before it were taken and let go (a record, a fence) at every wake-up otherwise.
+        order = self.locks if first is None else (first, *(k for k in self.locks if k is not first))
         try:
-            for lock in self.locks:
+            for lock in order:
                 mine = place if place is not None and place.key == lock.key else None
                 if lock.attempt(mine) is None:
                     why = f"{lock.key} of the same set was busy: released, to try the set again"
                     self._let_go(taken, Outcome.SKIPPED, "locked", why)
-                    return lock, place
+                    # Out of order and then busy: sorted next time (see the module's doc).
+                    return lock, place, None if first is not None and taken else lock
                 if mine is not None:
                     place = None  # used up by the key it queued for
                 taken.append(lock)
@@ -140,7 +148,7 @@ class Locks:
             problem, details = describe_exception(exc)
             self._let_go(taken, Outcome.FAILED, problem, details)
             raise
-        return None, place
+        return None, place, None
 
     @staticmethod
     def _let_go(taken: list[Lock], outcome: Outcome, problem: str, details: str | None) -> None:
@@ -164,19 +172,27 @@ class Locks:
         Raises:
             BackendError: the store failed for a key (the others are released all the same).
         """
-        records: list[Record | None] = []
+        ended = self._release_each(outcome, problem, details, result)
+        kept = [record for _, record in ended if record is not None]
+        return kept if len(kept) == len(ended) else None
+
+    def _release_each(
+        self, outcome: Outcome, problem: str | None, details: str | None, result: Any
+    ) -> list[tuple[Lease, Record | None]]:
+        """Release every lease held, in key order: each lease with its record (None: lost)."""
+        ended: list[tuple[Lease, Record | None]] = []
         failure: BackendError | None = None
         for lock in self.locks:
-            if lock.lease is None:
+            lease = lock.lease
+            if lease is None:
                 continue
             try:
-                records.append(lock.release(outcome, problem, details, result))
+                ended.append((lease, lock.release(outcome, problem, details, result)))
             except BackendError as exc:
                 failure = failure or exc
         if failure is not None:
             raise failure
-        kept = [record for record in records if record is not None]
-        return kept if len(kept) == len(records) else None
+        return ended
 
     def detach(self) -> Lease:
         """Stop renewing and forget every lease without releasing them; the first one."""
@@ -208,10 +224,16 @@ class Locks:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        first = self.lease
-        if first is None:
+        if self.lease is None:
             raise ConfigurationError(f"locks {self.key!r} are not held by this object")
-        end_block(self.release, first, exc)
+        if exc is not None:
+            self.release(Outcome.FAILED, *describe_exception(exc))
+            return
+        # The error names the key whose lease was lost, not the set's first key.
+        ended = self._release_each(Outcome.SUCCEEDED, None, None, None)
+        lost = [lease for lease, record in ended if record is None]
+        if lost:
+            raise LockLostError(lost[0].key, lost[0].fence, "release")
 
     def __repr__(self) -> str:
         state = "held" if self.lease is not None else "free"
@@ -239,4 +261,23 @@ def lock(
     """
     if isinstance(key, str):
         return Lock(backend, key, ttl, wait, **options)
+    if options.pop("limit", 1) != 1:
+        raise ConfigurationError(
+            "several keys are taken all or none: a limit (slots) goes with one key only"
+        )
     return Locks(backend, key, ttl, wait, **options)
+
+
+def lost_lease(lock: Lock | Locks) -> Lease:
+    """The lease ``lock`` lost: of a set, the first key's (in key order) that was lost, else
+    its first lease; of a :class:`Lock`, its lease. For the error that names the loss.
+
+    Raises:
+        ConfigurationError: ``lock`` holds nothing.
+    """
+    held = lock.locks if isinstance(lock, Locks) else (lock,)
+    found = [one.lease for one in held if one.lease is not None]
+    lost = [one.lease for one in held if one.lost and one.lease is not None]
+    if not found:
+        raise ConfigurationError(f"lock {lock.key!r} is not held by this object")
+    return (lost or found)[0]

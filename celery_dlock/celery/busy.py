@@ -14,6 +14,7 @@ from celery_dlock.celery.policies import call_policy
 from celery_dlock.errors import BackendError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
+from celery_dlock.locks import Locks
 from celery_dlock.records import Lease, Outcome
 
 __all__ = ["BUSY_HEADER", "RETRY_HEADER", "apply_policy", "current_lease", "header", "requeue"]
@@ -26,14 +27,14 @@ RETRY_HEADER = "dlock_lease"
 BUSY_HEADER = "dlock_busy"
 
 
-def apply_policy(task: Any, lock: Lock, exc: LockNotAcquiredError) -> Any:
+def apply_policy(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> Any:
     """The task's ``on_locked`` policy for a busy key: a callable's answer, a ``skipped``
     record, the error, or a re-queue."""
     policy = task.on_locked
     metrics.busy(task.name, "callable" if callable(policy) else str(policy))
-    current = current_lease(lock)
-    if callable(policy):
-        return call_policy(task, "on_locked", lock.key, current)
+    current = current_lease(lock, exc.key)
+    if callable(policy):  # of a set: the key found busy, not the set's joined keys
+        return call_policy(task, "on_locked", exc.key, current)
     if policy == "skip":
         blocker = (
             f"held by {current.holder.describe()} (fence {current.fence})"
@@ -90,8 +91,9 @@ def header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
-def current_lease(lock: Lock) -> Lease | None:
+def current_lease(lock: Lock | Locks, busy: str) -> Lease | None:
+    """The lease on the key found busy (of a set: ``busy``), or None."""
     try:
-        return lock.current()
+        return lock.backend.get(busy) if isinstance(lock, Locks) else lock.current()
     except BackendError:
         return None

@@ -57,7 +57,7 @@ from celery_dlock.errors import (
 from celery_dlock.events import fields
 from celery_dlock.keys import KeyTemplate
 from celery_dlock.lock import DEFAULT, Lock
-from celery_dlock.locks import Locks
+from celery_dlock.locks import Locks, lost_lease
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["LockedTask"]
@@ -129,8 +129,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     @property
     def leases(self) -> list[Lease]:
-        """Every lease held for the running request, in key order (several with a list of
-        ``lock_key`` templates)."""
+        """Every lease held for the running request, in key order (several: templates)."""
         lock: Lock | Locks | None = getattr(self.request, "dlock_lock", None)
         if lock is None:
             return []
@@ -363,7 +362,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 raise
             return self._replay(lock, previous)
         except LockLostError as exc:
-            held = lock.lease
+            held = lock.lease and lost_lease(lock)  # of a set: the key lost, not the first
             if exc.key or held is None:
                 self._finish(lock, Outcome.FAILED, exc)
                 raise
@@ -373,9 +372,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         except BaseException as exc:
             self._finish(lock, outcome_of(exc), exc)
             raise
-        if lock.lost and self.on_lock_lost == "raise":
-            gone = lock.detach()
-            raise LockLostError(gone.key, gone.fence, "renew")
+        if lock.lost and self.on_lock_lost == "raise":  # released: a set's other keys too
+            gone = lost_lease(lock)
+            self._finish(lock, Outcome.FAILED, lost := LockLostError(gone.key, gone.fence, "renew"))
+            raise lost
         stored = stored_result(self.name, result) if self.once else None
         self._finish(lock, Outcome.SUCCEEDED, None, stored)
         return result

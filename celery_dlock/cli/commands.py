@@ -52,14 +52,26 @@ def store_now(backend: LockBackend) -> float:
 
 
 def _key_hint(env: Env, key: str, *, history: bool = False) -> str:
-    """A hint when ``key`` lacks the namespace and the full key has a lease (or, for
-    ``history``, records)."""
+    """A hint when ``key`` is held in slots (``lock_limit``: busy tasks log the key, not
+    the slot), or lacks the namespace and the full key has a lease (or, for ``history``,
+    records)."""
+    held = [] if history else env.backend.leases(f"{key}#")
+    slots = [lease.key for lease in held if _slot_of(lease.key, key)]
+    if slots:
+        return (
+            f" (a key with a limit: its slots {', '.join(slots)} are held, each by its own lease)"
+        )
     prefix = env.target.prefix
     if not prefix or key.startswith(prefix):
         return ""
     full = prefix + key
     found = (history and env.backend.history(key=full, limit=1)) or env.backend.get(full)
     return f" (keys are given in full: did you mean {full!r}?)" if found else ""
+
+
+def _slot_of(slot: str, key: str) -> bool:
+    """Whether ``slot`` is one of ``key``'s slots (``key#0``, ``key#1``, ...)."""
+    return slot.startswith(f"{key}#") and slot[len(key) + 1 :].isdigit()
 
 
 # -- leases ---------------------------------------------------------------------------------

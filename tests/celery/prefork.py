@@ -138,8 +138,13 @@ class Worker:
 
 
 @contextmanager
-def running(tmp: Path, redis_url: str, lock_url: str, **env: str) -> Iterator[Worker]:
-    worker = Worker(tmp, redis_url, lock_url, **env).start()
+def running(
+    tmp: Path, redis_url: str, lock_url: str, kind: type[Worker] = Worker, **env: str
+) -> Iterator[Any]:
+    """A started worker of ``kind`` (its own start's concurrency), its log printed if the
+    block fails, stopped at the end."""
+    worker = kind(tmp, redis_url, lock_url, **env)
+    worker.start()
     try:
         yield worker
     except BaseException:

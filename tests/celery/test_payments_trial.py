@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from celery_dlock import Outcome
-from tests.celery.prefork import Worker
+from tests.celery.prefork import Worker, running
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -46,14 +46,8 @@ class PaymentsWorker(Worker):
 
 @pytest.fixture
 def payments(tmp_path: Path, redis_url: str, lock_url: str) -> Iterator[PaymentsWorker]:
-    worker = PaymentsWorker(tmp_path, redis_url, lock_url).start()
-    try:
+    with running(tmp_path, redis_url, lock_url, PaymentsWorker) as worker:
         yield worker
-    except BaseException:
-        print(worker.log.read_text()[-5000:])
-        raise
-    finally:
-        worker.stop()
 
 
 def charges_of(lock_url: str, order: str) -> list[str]:
