@@ -57,6 +57,18 @@ LIBPQ_PARAMETERS = frozenset(
 _SCHEMES = frozenset({"postgresql", "postgresql+psycopg", "postgres"})
 #: SQLSTATEs that say the schema is missing.
 _NO_SCHEMA = frozenset({"42P01", "3F000"})
+#: SQLSTATE insufficient_privilege: a store a DBA can mend while workers run (a
+#: ``BackendError``, so tasks are retried, never run unlocked).
+_NO_RIGHTS = "42501"
+_GRANTS = (
+    "the role needs USAGE on the store's schema, SELECT, INSERT, UPDATE, DELETE on its "
+    "tables and USAGE, SELECT, UPDATE on its sequence (the doctor's schema check names "
+    "each GRANT missing)"
+)
+_MIGRATE_RIGHTS = (
+    "migrate() creates the schema, its tables, sequence and functions: run it as the "
+    "schema's owner (or a role with CREATE on the database), then grant the workers' role"
+)
 
 
 def _positive(text: str) -> int:
@@ -214,6 +226,13 @@ def parse_url(url: str, overrides: dict[str, Any]) -> Config:
         validate_names(ours["schema"], ours["table_prefix"])
     except ValueError as exc:
         raise ConfigurationError(f"{exc} [{mask_url(url)}]") from None
+    if ours["schema"].startswith("pg_") or ours["schema"] == "information_schema":
+        # The server refuses to create pg_* schemas only at migrate(), and a superuser's
+        # migrate() puts the tables among information_schema's views.
+        raise ConfigurationError(
+            f"schema {ours['schema']!r} is the server's own (pg_* and information_schema): "
+            f"name a schema of the store's own, such as dlock [{mask_url(url)}]"
+        )
     user_options = libpq.pop("options", None)
     base = urlunsplit(("postgresql", parts.netloc, parts.path, "", ""))
     try:
@@ -264,4 +283,6 @@ def translate(exc: psycopg.Error, what: str, url: str) -> DLockError:
     code = f" (SQLSTATE {state})" if state else ""
     text = str(exc).strip()
     message = text.splitlines()[0] if text else type(exc).__name__
+    if state == _NO_RIGHTS:
+        message += f"; {_MIGRATE_RIGHTS if what == 'migrate' else _GRANTS}"
     return BackendError(f"postgres {what} failed{code}: {message}", url)

@@ -7,9 +7,14 @@ What the schema should hold is read from what ``migrate()`` creates (``ddl``, ``
 and from the statements the backend runs, so the checks follow the code without a list of
 their own:
 
-- ``schema``: every table, sequence and index of ``migrate()`` exists, each SQL function has
-  the body this version creates, and every statement the backend runs is accepted by the
-  server (prepared, never executed): a column of another version is named.
+- ``schema``: the server takes writes (not a standby, transactions not read-only); the
+  role may use the schema; a table of the backend's name that exists is the backend's (its
+  primary key: ``migrate()`` passes over any table that exists); every table,
+  sequence and index of ``migrate()`` exists; the role has the rights on them that the
+  backend uses (each missing one named as a ``GRANT``: the server checks rights only when a
+  statement runs, so preparing checks none); each SQL function has the body this version
+  creates; and every statement the backend runs is accepted by the server (prepared, never
+  executed): a column of another version is named.
 - ``pooler``: a transaction-mode pooler hands a client's transactions to whichever server
   connection is free. Asking a second client to hold a transaction open makes the pooler
   either give it our server connection (the same backend pid on two clients at once) or give
@@ -32,10 +37,10 @@ from psycopg.pq import DiagnosticField, ExecStatus
 from celery_dlock.backends.base import Check
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
-from celery_dlock.backends.postgres.sql import ddl
+from celery_dlock.backends.postgres.sql import Names, ddl
 from celery_dlock.backends.postgres.statements import Statements
 
-__all__ = ["SERVER_TIME", "checks"]
+__all__ = ["SERVER_TIME", "checks", "foreign_tables"]
 
 SERVER_TIME = (
     "-- server_time: | the server's clock now (the one expiry is judged by), seconds since "
@@ -50,6 +55,12 @@ POOL_WAIT = 5.0
 
 _MIGRATE = (
     "run `celery-dlock migrate` or `celery dlock migrate` (or the backend's migrate(); idempotent)"
+)
+#: Through a proxy, the server's keepalives watch the proxy, not the holder's host.
+_CUT_OFF = (
+    " (a holder cut off from it keeps its leases until it drops that client: its own "
+    "keepalives decide, PgBouncer's tcp_keepalive, tcp_keepidle, tcp_keepintvl, tcp_keepcnt "
+    "and tcp_user_timeout; the URL's keepalives act between it and the server)"
 )
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _RELATION = re.compile(
@@ -79,14 +90,18 @@ def checks(config: Config, liveness: str) -> list[Check]:
 
 
 def _connect(config: Config, *, autocommit: bool = True) -> psycopg.Connection[Any]:
-    """A plain connection for the checks: the URL's own, without the server settings that
-    the lock session sends as the startup parameter ``options`` (a stock PgBouncer refuses
-    it, and the checks should still say what is in the way) and with no prepared statement.
+    """A plain connection for the checks: the URL's own (its ``options=`` too), without the
+    server settings that the lock session adds to the startup parameter ``options`` (a stock
+    PgBouncer refuses them, and the checks should still say what is in the way) and with no
+    prepared statement.
 
     Raises:
         BackendError: the server cannot be reached or refuses us.
     """
     kwargs: dict[str, Any] = {"autocommit": autocommit, "prepare_threshold": None}
+    if config.user_options:
+        # The URL's own options= reach every session of the store (liveness=ttl too).
+        kwargs["options"] = config.user_options
     if not config.has_application_name:
         kwargs["application_name"] = "celery_dlock doctor"
     if not config.has_connect_timeout:
@@ -114,6 +129,42 @@ def _version(conn: psycopg.Connection[Any]) -> Check:
 
 def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
     names = statements.names
+    role, usable, standby, read_only = _one(
+        conn,
+        "-- usage: schema | the role, whether it may use the schema (true when it is "
+        "missing), whether the server is a standby, whether transactions are read-only\n"
+        "SELECT current_user, n IS NULL OR has_schema_privilege(n, 'USAGE'), "
+        "pg_catalog.pg_is_in_recovery(), current_setting('transaction_read_only') = 'on' "
+        "FROM to_regnamespace(%s) AS n",
+        (f'"{names.schema}"',),
+    )
+    if standby or read_only:
+        return Check(
+            "schema",
+            False,
+            "the server is a standby (in recovery): leases are written on the primary; point "
+            "the URL at it (or add target_session_attrs=read-write)"
+            if standby
+            else f"transactions of role {role!r} are read-only here "
+            "(default_transaction_read_only is on for the role, the database or the URL's "
+            "options): every acquire writes",
+        )
+    if not usable:
+        return Check(
+            "schema",
+            False,
+            f"role {role!r} may not use schema {names.schema!r}: "
+            + "; ".join(_grants(names, role, {"": ["USAGE"]})),
+        )
+    foreign = foreign_tables(conn, names)
+    if foreign:
+        return Check(
+            "schema",
+            False,
+            f"{'; '.join(foreign)}: not as migrate() makes it (another application's table, "
+            "or one changed by hand), which migrate() leaves alone: give the store a schema "
+            "or table_prefix of its own",
+        )
     relations, kinds = [], {"tables and sequences": 0, "indexes": 0}
     for statement in ddl(names):
         for table, index, key in _RELATION.findall(statement):
@@ -135,7 +186,15 @@ def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
         )
     if missing:
         return Check("schema", False, f"missing {', '.join(missing)}: {_MIGRATE}")
-    stale = _stale_functions(conn, statements)
+    lacking = _lacking(conn, names)
+    if lacking:
+        return Check(
+            "schema",
+            False,
+            f"role {role!r} lacks rights the backend uses: "
+            + "; ".join(_grants(names, role, lacking)),
+        )
+    stale, absent = _stale_functions(conn, statements)
     if stale:
         return Check(
             "schema",
@@ -150,18 +209,114 @@ def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
             False,
             f"the tables are not this version's: {misfit}; see the CHANGELOG for the migration",
         )
+    made = len(functions(statements)) - len(absent)
+    # Tables made from schema.metadata() (Alembic) have no SQL functions: only SQL clients
+    # (psql, other languages) need them, and migrate() adds them.
+    without = (
+        f"; no SQL functions {', '.join(absent)} (for SQL clients only, migrate() adds them)"
+        if absent
+        else ""
+    )
     return Check(
         "schema",
         True,
         f"{names.schema!r} is current: "
         + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-        + f" and {len(functions(statements))} functions as this version makes them; the "
-        f"server accepts all {tried} statements the backend runs",
+        + f" and {made} functions as this version makes them; the "
+        f"server accepts all {tried} statements the backend runs{without}",
     )
 
 
-def _stale_functions(conn: psycopg.Connection[Any], statements: Statements) -> list[str]:
-    """Names of the SQL functions that are missing or whose body is not this version's."""
+_TABLE = re.compile(
+    r'TABLE IF NOT EXISTS ("[^"]+"\."[^"]+") \((.*), '
+    r'CONSTRAINT "[^"]+" PRIMARY KEY \(([^)]*)\)\)\Z',
+    re.DOTALL,
+)
+
+
+def foreign_tables(conn: psycopg.Connection[Any], names: Names) -> list[str]:
+    """The backend's tables that exist with another primary key than ``migrate()`` makes,
+    each described (``CREATE TABLE IF NOT EXISTS`` passes them over)."""
+    shapes = {}
+    for statement in ddl(names):
+        found = _TABLE.search(statement)
+        if found is not None:
+            table, columns, key = found.groups()
+            shapes[table] = ([c.split(" ", 1)[0] for c in columns.split(", ")], key.split(", "))
+    rows = conn.execute(
+        "-- shapes: table names | (name, columns, primary key columns) of those that exist\n"
+        "SELECT t.name, array(SELECT a.attname::text FROM pg_catalog.pg_attribute AS a "
+        "WHERE a.attrelid = to_regclass(t.name) AND a.attnum > 0 AND NOT a.attisdropped "
+        "ORDER BY a.attnum), array(SELECT a.attname::text FROM pg_catalog.pg_index AS i, "
+        "unnest(i.indkey) WITH ORDINALITY AS k(num, place), pg_catalog.pg_attribute AS a "
+        "WHERE i.indrelid = to_regclass(t.name) AND i.indisprimary "
+        "AND a.attrelid = i.indrelid AND a.attnum = k.num ORDER BY k.place) "
+        "FROM unnest(%s::text[]) AS t(name) WHERE to_regclass(t.name) IS NOT NULL",
+        (list(shapes),),
+    ).fetchall()
+    foreign = []
+    for table, columns, key in rows:
+        wanted, wanted_key = shapes[table]
+        # Another primary key: not a table of any version (those differ in columns,
+        # which preparing the statements names).
+        if key != wanted_key:
+            foreign.append(
+                f"table {table} has columns ({', '.join(columns)}) and primary key "
+                f"({', '.join(key)}), not ({', '.join(wanted)}) and ({', '.join(wanted_key)})"
+            )
+    return foreign
+
+
+#: The rights the backend uses on each relation (``sequence`` for the fence sequence):
+#: the janitor deletes history, restore_guard reads and moves the sequence.
+_RIGHTS = {
+    "locks": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    "history": ("SELECT", "INSERT", "DELETE"),
+    "successes": ("SELECT", "INSERT", "UPDATE"),
+    "fence_guard": ("SELECT", "INSERT"),
+    "fence": ("USAGE", "SELECT", "UPDATE"),
+}
+
+
+def _lacking(conn: psycopg.Connection[Any], names: Names) -> dict[str, list[str]]:
+    """The rights of :data:`_RIGHTS` the connected role lacks, by relation."""
+    wanted = [(relation, right) for relation, rights in _RIGHTS.items() for right in rights]
+    rows = conn.execute(
+        "-- rights: (relation, name, right)... | those the role lacks\n"
+        "SELECT w.relation, w.privilege FROM unnest(%s::text[], %s::text[], %s::text[]) "
+        "AS w(relation, name, privilege) WHERE NOT CASE WHEN w.relation = 'fence' "
+        "THEN has_sequence_privilege(w.name, w.privilege) "
+        "ELSE has_table_privilege(w.name, w.privilege) END",
+        (
+            [relation for relation, _ in wanted],
+            [names.table(relation) for relation, _ in wanted],
+            [right for _, right in wanted],
+        ),
+    ).fetchall()
+    lacking: dict[str, list[str]] = {}
+    for relation, right in rows:
+        lacking.setdefault(relation, []).append(right)
+    return lacking
+
+
+def _grants(names: Names, role: str, lacking: dict[str, list[str]]) -> list[str]:
+    """The GRANT statements that give ``role`` the rights ``lacking`` (``""``: the schema)."""
+    return [
+        f"GRANT {', '.join(rights)} ON "
+        + (
+            f'SCHEMA "{names.schema}"'
+            if not relation
+            else f"{'SEQUENCE' if relation == 'fence' else 'TABLE'} {names.table(relation)}"
+        )
+        + f' TO "{role}"'
+        for relation, rights in lacking.items()
+    ]
+
+
+def _stale_functions(
+    conn: psycopg.Connection[Any], statements: Statements
+) -> tuple[list[str], list[str]]:
+    """Names of the SQL functions whose body is not this version's, and of those missing."""
     wanted = {}
     for statement in functions(statements):
         found = _FUNCTION.search(statement)
@@ -173,8 +328,9 @@ def _stale_functions(conn: psycopg.Connection[Any], statements: Statements) -> l
         "WHERE p.pronamespace = to_regnamespace(%s) AND p.proname = ANY(%s)",
         (f'"{statements.names.schema}"', list(wanted)),
     ).fetchall()
-    current = {name for name, body in rows if wanted[name] == body}
-    return sorted(set(wanted) - current)
+    present = dict(rows)
+    stale = sorted(name for name, body in present.items() if wanted[name] != body)
+    return stale, sorted(set(wanted) - set(present))
 
 
 def _prepare_all(conn: psycopg.Connection[Any], statements: Statements) -> tuple[int, str]:
@@ -240,7 +396,7 @@ def _pooler(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Che
     elif second != first:
         seen = f"the backend pid changed between two transactions ({first} -> {second})"
     else:
-        proxy = f"; {ports}: a proxy or a pooler in session mode, fine" if between else ""
+        proxy = f"; {ports}: a proxy or a pooler in session mode, fine{_CUT_OFF}" if between else ""
         return Check(
             "pooler",
             True,

@@ -10,8 +10,11 @@ two agree), so Alembic is optional. To manage the tables with Alembic instead::
     # and context.configure(..., include_schemas=True)
 
 Autogenerate emits the schema, sequence, tables and indexes; add ``CREATE SCHEMA`` if the
-schema is new. The tables created this way behave as after ``migrate()``; the first session
-then only marks the fence guard.
+schema is new. The tables created this way behave as after ``migrate()``, but for two things:
+the first session finds the fence guard empty, as after a crash, and moves the fence sequence
+up by ``FENCE_GAP`` (10**9) before its first grant, so fences start above a billion (they
+only have to rise); and the SQL functions for SQL clients are ``migrate()``'s alone (the
+doctor notes their absence; ``migrate()`` adds them and changes nothing else here).
 
 Importing this module needs SQLAlchemy (the backend itself does not).
 """
