@@ -1,4 +1,4 @@
-"""The Postgres store as its operator meets it (helper h4): a role without rights, a schema
+"""The Postgres store as its operator meets it: a role without rights, a schema
 the role owns but may not create, a server schema name, tables made from the SQLAlchemy
 metadata, a pooler in session mode, and an upgrade from the first version of the schema
 with a process of that version still running. Real server, real PgBouncer, real old code
@@ -203,7 +203,7 @@ def test_doctor_names_another_application_s_table_that_migrate_passed_over(
 @pytest.mark.xfail(
     strict=True,
     reason="migrate() passes over another application's table and overwrites its comment "
-    "(fix in session.migrate: refuse with doctor.foreign_tables, not h4's files)",
+    "(fix in session.migrate: refuse with doctor.foreign_tables)",
 )
 def test_migrate_refuses_another_application_s_table_and_leaves_it_alone(
     schema: str, admin: Any
@@ -227,7 +227,7 @@ def test_migrate_refuses_another_application_s_table_and_leaves_it_alone(
     strict=True,
     reason="migrate() runs CREATE INDEX IF NOT EXISTS on existing indexes, whose SHARE lock "
     "on history waits for any writer and makes every acquire and release wait behind it "
-    "(fix in session.migrate: skip the DDL of relations that exist; not h4's files)",
+    "(fix in session.migrate: skip the DDL of relations that exist)",
 )
 def test_migrate_of_a_current_schema_never_waits_for_writers_of_history(
     migrated: str, admin: Any
@@ -278,7 +278,7 @@ def test_migrate_by_a_role_that_may_not_create_says_who_may(schema: str, role: s
 @pytest.mark.xfail(
     strict=True,
     reason="migrate() runs CREATE SCHEMA IF NOT EXISTS, which needs CREATE on the database "
-    "even when the schema exists (fix in sql.ddl or session.migrate, not h4's files)",
+    "even when the schema exists (fix in sql.ddl or session.migrate)",
 )
 def test_migrate_into_a_schema_the_role_owns_needs_no_create_on_the_database(
     schema: str, role: str, admin: Any

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import AskError, MovedError, NoScriptError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -292,7 +292,12 @@ class Client:
 
     def error(self, operation: str, key: str | None, exc: RedisError) -> BackendError:
         what = f"redis {operation}" + ("" if key is None else f" of {key!r}")
-        return BackendError(f"{what} failed: {type(exc).__name__}: {exc}", self.url)
+        hint = ""
+        if isinstance(exc, MovedError | AskError) and not self.cluster:
+            # A node of a cluster serves the slots it owns and redirects the rest: some
+            # keys work, others fail, which a cluster client would have followed.
+            hint = " (this Redis is a node of a Redis Cluster: use redis+cluster://host:port)"
+        return BackendError(f"{what} failed: {type(exc).__name__}: {exc}{hint}", self.url)
 
     def close(self) -> None:
         self._local.reset()

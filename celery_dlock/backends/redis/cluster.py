@@ -19,6 +19,7 @@ from redis.exceptions import (
     AskError,
     ClusterDownError,
     MovedError,
+    ResponseError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -109,15 +110,16 @@ class ClusterConnections:
         node = self._route(packed)
         for hop in range(_HOPS):
             try:
-                return self._node(node).send(packed, count, timeout)
+                try:
+                    return self._node(node).send(packed, count, timeout)
+                except AskError as ask:
+                    return self._ask(ask, b"*%d\r\n%b" % (count, packed))
             except MovedError as moved:
                 self.refresh()
                 node = (moved.host, int(moved.port))
-            except AskError as ask:
-                asking = b"*1\r\n$6\r\nASKING\r\n"
-                target = self._node((ask.host, int(ask.port)))
-                return target.send_all([asking, b"*%d\r\n%b" % (count, packed)])[1]
             except (ClusterDownError, TryAgainError):
+                # A multi-key command in a slot being migrated gets TRYAGAIN, from either
+                # node, while its keys are split between them.
                 if hop == _HOPS - 1:
                     raise
                 time.sleep(_SETTLING)
@@ -126,18 +128,34 @@ class ClusterConnections:
                 raise
         raise ClusterDownError(f"gave up after {_HOPS} redirections")
 
+    def _ask(self, ask: AskError, command: bytes) -> Any:
+        """``command`` once on the node an ``ASK`` named, after ``ASKING``. Its reply comes
+        back through ``send_all``, which returns errors: raise them here, so a ``NOSCRIPT``
+        (the script not loaded on that node yet) or a ``TRYAGAIN`` reaches its handler."""
+        asking = b"*1\r\n$6\r\nASKING\r\n"
+        target = self._node((ask.host, int(ask.port)))
+        reply = target.send_all([asking, command])[1]
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
     def call(self, *args: Any, timeout: float | None = None) -> Any:
         return self.send(bulks(args), len(args), timeout)
 
     def send_all(self, commands: list[bytes]) -> list[Any]:
         """``Connections.send_all`` to the primary of the first command's slot (a batch
-        shares one slot); a ``MOVED`` reply reroutes the whole batch once."""
+        shares one slot). A command redirected (``MOVED``, ``ASK``) or told to try again
+        (a slot being migrated) is sent again on its own through ``send``; as there, an
+        error reply is returned, not raised."""
         node = self._route(commands[0].split(b"\r\n", 1)[1])
         replies = self._node(node).send_all(commands)
-        moved = next((r for r in replies if isinstance(r, MovedError)), None)
-        if moved is not None:
-            self.refresh()
-            replies = self._node((moved.host, int(moved.port))).send_all(commands)
+        for at, reply in enumerate(replies):
+            if isinstance(reply, MovedError | AskError | TryAgainError | ClusterDownError):
+                header, body = commands[at].split(b"\r\n", 1)
+                try:
+                    replies[at] = self.send(body, int(header[1:]))
+                except ResponseError as exc:
+                    replies[at] = exc
         return replies
 
     def close(self) -> None:

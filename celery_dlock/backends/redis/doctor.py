@@ -14,10 +14,15 @@ def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
     policy = info.get("maxmemory_policy", "?")
     evicting = "" if policy == "noeviction" else ": an evicted lock key is a lock given away"
     persistence = (
-        "AOF on: locks and history survive a restart"
+        "AOF on: locks and history survive a restart; with appendfsync everysec (the "
+        "default) a crash can lose the last second's leases, whose keys are then granted "
+        "again at once (with a higher fence)"
         if info.get("aof_enabled") == "1"
-        else "no AOF: a restart loses locks and history; holders see their leases lost and "
-        "no lock is granted for restart_delay"
+        else "no AOF: a restart that loses every key loses locks and history; holders see "
+        "their leases lost and no lock is granted for restart_delay. With RDB snapshots "
+        "(save points) a crash brings back the last snapshot instead: leases taken since "
+        "are lost and their keys granted again at once (with a higher fence), leases "
+        "released since are held again (one without a ttl until `celery dlock release`)"
     )
     role = info.get("role", "?")
     cluster = info.get("cluster_enabled") == "1"
@@ -25,7 +30,14 @@ def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
         Check("redis version", major >= 7, f"{version} (needs 7.0 or newer)"),
         Check("eviction", policy == "noeviction", f"maxmemory-policy {policy}{evicting}"),
         Check("persistence", True, persistence),
-        Check("role", role == "master", f"{role} (locks are written to the primary)"),
+        Check(
+            "role",
+            role == "master",
+            f"{role} (locks are written to the primary)"
+            if role == "master"
+            else f"{role}: a replica is read-only, every acquire fails (READONLY); point "
+            "the URL at the primary",
+        ),
         Check(
             "cluster mode",
             cluster_client or not cluster,
