@@ -200,11 +200,6 @@ def test_doctor_names_another_application_s_table_that_migrate_passed_over(
     assert "run `celery-dlock migrate`" not in check.detail
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="migrate() passes over another application's table and overwrites its comment "
-    "(fix in session.migrate: refuse with doctor.foreign_tables)",
-)
 def test_migrate_refuses_another_application_s_table_and_leaves_it_alone(
     schema: str, admin: Any
 ) -> None:
@@ -223,12 +218,6 @@ def test_migrate_refuses_another_application_s_table_and_leaves_it_alone(
         assert comment == "the doors of the warehouse"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="migrate() runs CREATE INDEX IF NOT EXISTS on existing indexes, whose SHARE lock "
-    "on history waits for any writer and makes every acquire and release wait behind it "
-    "(fix in session.migrate: skip the DDL of relations that exist)",
-)
 def test_migrate_of_a_current_schema_never_waits_for_writers_of_history(
     migrated: str, admin: Any
 ) -> None:
@@ -275,11 +264,6 @@ def test_migrate_by_a_role_that_may_not_create_says_who_may(schema: str, role: s
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="migrate() runs CREATE SCHEMA IF NOT EXISTS, which needs CREATE on the database "
-    "even when the schema exists (fix in sql.ddl or session.migrate)",
-)
 def test_migrate_into_a_schema_the_role_owns_needs_no_create_on_the_database(
     schema: str, role: str, admin: Any
 ) -> None:

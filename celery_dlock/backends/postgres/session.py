@@ -30,9 +30,8 @@ from psycopg.pq import ConnStatus
 from celery_dlock.backends.base import Place
 from celery_dlock.backends.common import weakly
 from celery_dlock.backends.postgres.config import Config, translate
-from celery_dlock.backends.postgres.functions import functions
+from celery_dlock.backends.postgres.migration import migrate
 from celery_dlock.backends.postgres.prepared import PreparedStatements
-from celery_dlock.backends.postgres.sql import ddl
 from celery_dlock.backends.postgres.statements import HANDED_OVER, Statements
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.events import fields
@@ -427,25 +426,6 @@ def restore_guard(conn: psycopg.Connection[Any], statements: Statements) -> None
     with conn.transaction():
         for statement in statements.restore_guard:
             conn.execute(statement)
-
-
-def migrate(config: Config) -> None:
-    """Create the schema if missing, idempotently; concurrent callers take turns."""
-    statements = config.statements
-    names = statements.names
-    with config.connect("migrate", autocommit=False) as conn:
-        try:
-            with conn.transaction():
-                conn.execute(f"SELECT pg_advisory_xact_lock({names.ddl_lock_key})")
-                row = conn.execute(statements.sequence_exists).fetchone()
-                fresh = row is not None and not row[0]
-                for statement in [*ddl(names), *functions(statements)]:
-                    conn.execute(statement)
-                if fresh:
-                    # A sequence made now has handed out no fence that a crash could lose.
-                    conn.execute(statements.mark_guard)
-        except psycopg.Error as exc:
-            raise translate(exc, "migrate", config.url) from exc
 
 
 def _close_quietly(conn: psycopg.Connection[Any]) -> None:
