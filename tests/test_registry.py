@@ -153,6 +153,11 @@ def test_option_override_must_be_known(tmp_path: Path) -> None:
         ),
         ("s3://AK@b/p?secret_key=s3cret&region=r", "s3://AK@b/p?secret_key=***&region=r"),
         ("postgresql://app:s3cret@db/x?password=s3cret", "postgresql://app:***@db/x?password=***"),
+        # found by trying (Redis): a password's '#', '/' or '?' not percent-encoded ends the
+        # URL's authority early, and the password printed in full
+        ("postgresql://app:s3#cret@db/x", "postgresql://***@db/x"),
+        ("s3://AK:s3/cret@b/p", "s3://***@b/p"),
+        ("redis://:s3?cret@cache:6379/0", "redis://***@cache:6379/0"),
     ],
 )
 def test_mask_url_hides_passwords(url: str, masked: str) -> None:

@@ -95,12 +95,17 @@ def backend_from_url(url: str, **options: Any) -> LockBackend:
 
 def mask_url(url: str) -> str:
     """``url`` with its password replaced by ``***``, for logs and output: the one in its
-    user info, and any query option whose name says it is secret (``password``,
+    user info (all before the last ``@`` when a password's ``/``, ``?`` or ``#`` was not
+    percent-encoded), and any query option whose name says it is secret (``password``,
     ``sslpassword``, ``secret_key``)."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable URL>"
+    if "@" not in parts.netloc and "@" in url.partition("://")[2]:
+        # An '@' after the authority ended: a password holding a '/', '?' or '#' that is not
+        # percent-encoded, which the parse above missed. All before the last '@' is hidden.
+        return f"{parts.scheme}://***@{url.rpartition('@')[2]}"
     query = "&".join(_masked_option(option) for option in parts.query.split("&"))
     if parts.password is None:
         if query == parts.query:

@@ -43,8 +43,8 @@ def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict
     """
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
-    shown = _shown(url, parts)
-    if shown != mask_url(url):
+    shown = mask_url(url)
+    if "@" not in parts.netloc and "@" in url.partition("://")[2]:
         raise ConfigurationError(
             f"redis URL {shown!r} holds an '@' after its host: percent-encode a '/', '?' or "
             "'#' in its password (%2F, %3F, %23) and an '@' in an option (%40)"
@@ -94,15 +94,6 @@ def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict
         raise ConfigurationError(f"db must be >= 0, not {db}")
     connection["db"] = db or 0
     return connection, options
-
-
-def _shown(url: str, parts: SplitResult) -> str:
-    """``url`` as errors show it: ``mask_url``'s, unless an ``@`` comes after the URL's
-    authority ended, as when a password holds a ``/``, ``?`` or ``#`` that is not
-    percent-encoded (``mask_url`` then finds no password): all before it is hidden."""
-    if "@" not in parts.netloc and "@" in url.partition("://")[2]:
-        return f"{parts.scheme}://***@{url.rpartition('@')[2]}"
-    return mask_url(url)
 
 
 def _cluster(
