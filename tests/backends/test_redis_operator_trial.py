@@ -158,12 +158,6 @@ def private_server() -> Iterator[RedisServer]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RedisBackend.leases reads each lease with its own PEEK round trip: 50,000 "
-    "leases took 12 s (the page and /metrics read them on every request); batch them "
-    "with run_all in redis/__init__.py",
-)
 def test_listing_many_leases_takes_a_round_trip_per_batch_not_per_lease(
     private_server: RedisServer,
 ) -> None:

@@ -121,6 +121,8 @@ from celery_dlock.records import Holder, Lease, Outcome, Record
 __all__ = ["RedisBackend"]
 
 _DAY = 86400.0
+#: Leases read per pipelined round trip by ``leases()``.
+PEEK_BATCH = 1000
 
 
 class RedisBackend(LockBackend):
@@ -259,15 +261,21 @@ class RedisBackend(LockBackend):
         return lease_from_state(key, state) if state else None
 
     def leases(self, prefix: str = "") -> list[Lease]:
+        """The leases of the index's keys under ``prefix``, read in pipelined batches of
+        :data:`PEEK_BATCH` (one round trip per lease took 12 s for 50,000 leases)."""
         found = []
         for bucket in range(self._layout.buckets):
             members = self._client.command("leases", "ZRANGE", self._layout.index(bucket), 0, -1)
-            for member in members:
-                key = member.decode("utf-8", "surrogatepass")
-                if key.startswith(prefix):
-                    lease = self.get(key)
-                    if lease is not None:
-                        found.append(lease)
+            keys = [m.decode("utf-8", "surrogatepass") for m in members]
+            keys = [key for key in keys if key.startswith(prefix)]
+            for start in range(0, len(keys), PEEK_BATCH):
+                batch = keys[start : start + PEEK_BATCH]
+                peeks = [self.calls.peek_keys(key) for key in batch]
+                calls = [(1 + len(k), bulks([len(k), *k])) for k in peeks]
+                states = self._client.run_all(PEEK, calls, operation="leases")
+                found += [
+                    lease_from_state(k, st) for k, st in zip(batch, states, strict=True) if st
+                ]
         return sorted(found, key=lambda lease: lease.key)
 
     def history(
