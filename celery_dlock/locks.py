@@ -74,6 +74,8 @@ class Locks:
             )
             for key in self.keys
         )
+        #: The keys the last try took and let go (each recorded then) for a busy one.
+        self._let_go_keys: frozenset[str] = frozenset()
 
     @property
     def leases(self) -> list[Lease]:
@@ -139,6 +141,7 @@ class Locks:
                 if lock.attempt(mine) is None:
                     why = f"{lock.key} of the same set was busy: released, to try the set again"
                     self._let_go(taken, Outcome.SKIPPED, "locked", why)
+                    self._let_go_keys = frozenset(one.key for one in taken)
                     # Out of order and then busy: sorted next time (see the module's doc).
                     return lock, place, None if first is not None and taken else lock
                 if mine is not None:
@@ -211,8 +214,10 @@ class Locks:
         return [lease for lease in found if lease is not None]
 
     def record_skip(self, problem: str, details: str, holder: Holder | None = None) -> Record:
-        """Record a skipped attempt on every key; the first key's record."""
-        records = [lock.record_skip(problem, details, holder) for lock in self.locks]
+        """Record a skipped attempt on every key but those its last try took and let go
+        (recorded ``skipped`` then: one record per key for the attempt); the first one."""
+        skipped = [lock for lock in self.locks if lock.key not in self._let_go_keys]
+        records = [lock.record_skip(problem, details, holder) for lock in skipped]
         return records[0]
 
     def __enter__(self) -> list[Lease]:

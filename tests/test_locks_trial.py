@@ -188,3 +188,21 @@ def test_alock_of_several_keys_takes_all_or_none(backend: LockBackend) -> None:
 
     assert asyncio.run(transfer()) == [first, second]
     assert outcomes(backend, first) == outcomes(backend, second) == [Outcome.SUCCEEDED]
+
+
+def test_a_skipped_set_records_each_key_once(backend: LockBackend) -> None:
+    """A set whose second key is busy, skipped (``on_locked="skip"`` does this): the first
+    key, taken and let go by the try, has that one ``skipped`` record, not a second one from
+    ``record_skip``; the busy key has one."""
+    first, second = sorted(keys("a", "b"))
+    blocker = Lock(backend, second)
+    blocker.acquire()
+    try:
+        both = Locks(backend, [first, second])
+        with pytest.raises(LockNotAcquiredError):
+            both.acquire(wait=0)
+        both.record_skip("locked", "held by the blocker")
+        assert outcomes(backend, first) == [Outcome.SKIPPED]
+        assert [r.fence for r in backend.history(key=second, limit=None)] == [0]
+    finally:
+        blocker.release()
