@@ -61,7 +61,7 @@ from celery_dlock.backends.objectstore import (
     UnsureWrite,
     Written,
 )
-from celery_dlock.backends.objectstore.store import checked_option
+from celery_dlock.backends.objectstore.store import DEFAULT_TTL, checked_option
 from celery_dlock.errors import BackendError, ConfigurationError
 
 __all__ = ["GCSBackend"]
@@ -87,9 +87,12 @@ class GCSBackend(ObjectStoreBackend):
         anonymous: bool = False,
         timeout: float = 10.0,
         gc_after: float = 86400.0,
+        ttl: float = DEFAULT_TTL,
         clock: MonotonicClock | None = None,
     ) -> None:
         super().__init__(bucket, prefix, gc_after=gc_after, clock=clock)
+        # A lease lives by its ttl alone here: a Lock without one gets this, renewed.
+        self.default_ttl = float(checked_option("gcs", "ttl", ttl, least=0, above=True))
         if endpoint is not None and urlsplit(endpoint).scheme not in ("http", "https"):
             raise ConfigurationError(
                 f"option 'endpoint' of the gcs backend must be an http:// or https:// URL, "
@@ -115,6 +118,7 @@ class GCSBackend(ObjectStoreBackend):
             "anonymous": flag,
             "timeout": float,
             "gc_after": float,
+            "ttl": float,
         }
         backend = cls(
             parts.netloc,

@@ -57,7 +57,7 @@ from celery_dlock.backends.objectstore import (
     UnsureWrite,
     Written,
 )
-from celery_dlock.backends.objectstore.store import checked_option
+from celery_dlock.backends.objectstore.store import DEFAULT_TTL, checked_option
 from celery_dlock.errors import BackendError, ConfigurationError
 
 if TYPE_CHECKING:
@@ -97,9 +97,12 @@ class S3Backend(ObjectStoreBackend):
         access_key: str | None = None,
         secret_key: str | None = None,
         gc_after: float = 86400.0,
+        ttl: float = DEFAULT_TTL,
         clock: MonotonicClock | None = None,
     ) -> None:
         super().__init__(bucket, prefix, gc_after=gc_after, clock=clock)
+        # A lease lives by its ttl alone here: a Lock without one gets this, renewed.
+        self.default_ttl = float(checked_option("s3", "ttl", ttl, least=0, above=True))
         self.endpoint_url = endpoint_url
         self.region = region
         self.addressing_style = _addressing_style(addressing_style)
@@ -135,6 +138,7 @@ class S3Backend(ObjectStoreBackend):
             "timeout": float,
             "max_attempts": int,
             "gc_after": float,
+            "ttl": float,
             "access_key": str,
             "secret_key": str,
         }

@@ -125,6 +125,9 @@ def test_url_forms_build_the_connection_they_name() -> None:
         ("redis://localhost/0?success_ttl=0", "success_ttl"),
         ("redis://localhost/0?restart_delay=-1", "restart_delay"),
         ("redis://localhost/0?retries=x", "retries"),
+        # found by trying: 0 was taken, then every call failed "Resource temporarily unavailable"
+        ("redis://localhost/0?socket_timeout=0", "socket_timeout"),
+        ("redis+cluster://localhost:7000?socket_connect_timeout=0", "socket_connect_timeout"),
         ("unix://", "unix:///path"),
         ("unix://host/sock", "unix:///path"),
     ],

@@ -16,7 +16,13 @@ from typing import Any
 
 from celery_dlock.errors import BackendError, ConfigurationError
 
-__all__ = ["Found", "ObjectStore", "Stamp", "UnsureWrite", "Written", "checked_option"]
+__all__ = [
+    "DEFAULT_TTL", "Found", "ObjectStore", "Stamp", "UnsureWrite", "Written", "checked_option",
+]  # fmt: skip
+
+#: The ttl of a ``Lock`` given none (the ``ttl`` option): a lease's only liveness here is
+#: its ttl, so one without would outlive a killed holder for good.
+DEFAULT_TTL = 60.0
 
 
 def checked_option(backend: str, option: str, value: Any, *, least: float, above: bool) -> Any:

@@ -123,6 +123,9 @@ __all__ = ["RedisBackend"]
 _DAY = 86400.0
 #: Leases read per pipelined round trip by ``leases()``.
 PEEK_BATCH = 1000
+#: The ttl of a ``Lock`` given none (``ttl`` option): a lease's only liveness here is its
+#: ttl, so one without would outlive a killed holder for good.
+DEFAULT_TTL = 60.0
 
 
 class RedisBackend(LockBackend):
@@ -148,10 +151,11 @@ class RedisBackend(LockBackend):
         success_ttl: float = 30 * _DAY,
         gc_after: float = _DAY,
         restart_delay: float = 30.0,
+        ttl: float = DEFAULT_TTL,
         retries: int = 2,
         url: str = "redis://localhost:6379/0",
     ) -> None:
-        for option, value in (("success_ttl", success_ttl), ("gc_after", gc_after)):
+        for option, value in (("success_ttl", success_ttl), ("gc_after", gc_after), ("ttl", ttl)):
             if not value > 0:
                 raise ConfigurationError(f"{option} must be positive seconds, not {value!r}")
         if not restart_delay >= 0:
@@ -166,6 +170,8 @@ class RedisBackend(LockBackend):
                 " (for a URL: RedisBackend.from_url or backend_from_url)"
             )
         self.url = url
+        # A lease lives by its ttl alone here: a Lock without one gets this, renewed.
+        self.default_ttl = float(ttl)
         settings = dict(connection or {})
         nodes = settings.pop("cluster_nodes", None)
         made = Connections if nodes is None else partial(ClusterConnections, nodes=nodes)

@@ -22,6 +22,7 @@ _KNOWN: dict[str, Callable[[str], Any]] = {
     "success_ttl": float,
     "gc_after": float,
     "restart_delay": float,
+    "ttl": float,
     "retries": int,
     "socket_timeout": float,
     "socket_connect_timeout": float,
@@ -56,7 +57,7 @@ def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict
     if scheme not in ("redis", "rediss", "unix"):
         raise ConfigurationError(f"not a redis URL: {shown!r}")
     options = url_options("redis", parts.query, _KNOWN, overrides)
-    connection = {name: options.pop(name) for name in _CONNECTION if name in options}
+    connection = _timeouts(options)
     tls = {name: options.pop(name) for name in _TLS if name in options}
     if tls and scheme != "rediss":
         raise ConfigurationError(
@@ -96,6 +97,16 @@ def parse_url(url: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict
     return connection, options
 
 
+def _timeouts(options: dict[str, Any]) -> dict[str, Any]:
+    """The socket timeouts taken out of ``options``, each checked positive (a 0 made every
+    call fail with "Resource temporarily unavailable")."""
+    timeouts = {name: options.pop(name) for name in _CONNECTION if name in options}
+    for name, seconds in timeouts.items():
+        if not seconds > 0:
+            raise ConfigurationError(f"{name} must be positive seconds, not {seconds!r}")
+    return timeouts
+
+
 def _cluster(
     parts: SplitResult, shown: str, overrides: dict[str, Any]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -103,7 +114,7 @@ def _cluster(
     nodes to learn the cluster from; ``buckets`` defaults to 16 (history and index spread
     over 16 slots)."""
     options = url_options("redis", parts.query, _KNOWN, overrides)
-    connection = {name: options.pop(name) for name in _CONNECTION if name in options}
+    connection = _timeouts(options)
     if any(name in options for name in _TLS) or options.pop("db", 0):
         raise ConfigurationError(f"a cluster has database 0 only and no TLS here: {shown!r}")
     userinfo, _, hosts = parts.netloc.rpartition("@")
