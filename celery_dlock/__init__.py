@@ -52,7 +52,16 @@ def __getattr__(name: str) -> object:
     module = _LAZY_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module 'celery_dlock' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as exc:
+        if exc.name != "celery":
+            raise
+        raise ModuleNotFoundError(
+            f"celery_dlock.{name} needs Celery, which is not installed: "
+            "pip install 'celery-dlock[celery]'",
+            name=exc.name,
+        ) from exc
     globals()[name] = value
     return value
 

@@ -66,7 +66,14 @@ def enable(registry: Any = None) -> None:
         if _metrics:  # made before, then disabled
             _on = True
             return
-        from prometheus_client import Counter, Histogram  # the [metrics] extra
+        try:
+            from prometheus_client import Counter, Histogram  # the [metrics] extra
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                "celery-dlock's metrics need prometheus_client, which is not installed: "
+                "pip install 'celery-dlock[metrics]'",
+                name=exc.name,
+            ) from exc
 
         where = {} if registry is None else {"registry": registry}
         _metrics.update(

@@ -55,3 +55,29 @@ def test_importing_the_package_imports_no_driver() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == ""
+
+
+def test_a_missing_optional_package_is_named_with_its_extra() -> None:
+    """Found by trying the wheel without extras: ``from celery_dlock import LockedTask``
+    without Celery, and ``metrics.enable()`` without prometheus_client, raised a bare
+    ModuleNotFoundError naming neither the extra nor what needed it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['celery'] = sys.modules['prometheus_client'] = None  # not installed\n"
+        "import celery_dlock, celery_dlock.metrics\n"
+        "for use in (lambda: celery_dlock.LockedTask, celery_dlock.metrics.enable):\n"
+        "    try:\n"
+        "        use()\n"
+        "    except ModuleNotFoundError as exc:\n"
+        "        print(exc)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout
+    assert "LockedTask needs Celery" in lines[0] and "celery-dlock[celery]" in lines[0]
+    assert "prometheus_client" in lines[1] and "celery-dlock[metrics]" in lines[1]

@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend, validate_ttl
-from celery_dlock.errors import ConfigurationError
+from celery_dlock.errors import ConfigurationError, LockKeyError
 from celery_dlock.events import fields
+from celery_dlock.keys import validate_key
 from celery_dlock.process import shared_backend
 
 if TYPE_CHECKING:
@@ -113,6 +114,10 @@ def _read_settings(app: Celery) -> Settings:
     namespace = conf.get("dlock_namespace", "job")
     if not isinstance(namespace, str):
         raise ConfigurationError(f"dlock_namespace must be a string, not {namespace!r}")
+    try:  # a namespace no key can hold (a control character) fails the worker's start
+        validate_key(f"{namespace}:x")
+    except LockKeyError as exc:
+        raise ConfigurationError(f"dlock_namespace {namespace!r}: {exc}") from None
     try:
         ttl = validate_ttl(conf.get("dlock_ttl"))
     except ConfigurationError as exc:

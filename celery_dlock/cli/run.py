@@ -82,6 +82,8 @@ def run(
         validate_key(key)
     except DLockError as exc:
         raise UsageFailure(str(exc)) from None
+    if command[0] != "--" and command[0].startswith("-"):  # a mistyped option, not a program
+        raise UsageFailure(f"no such option: {command[0]} (put -- before the command)")
     words = command[1:] if command[:1] == ("--",) else command
     if not words:
         raise UsageFailure("no command: celery-dlock run KEY -- COMMAND ARGS...")

@@ -91,6 +91,8 @@ def test_bad_options_fail_at_definition(
     [
         ("dlock_backend", 42, "dlock_backend must be a URL"),
         ("dlock_namespace", 7, "dlock_namespace"),
+        # found by trying: the worker started, and every task failed with a LockKeyError
+        ("dlock_namespace", "bad ns\n", "dlock_namespace 'bad ns\\\\n': .*control"),
         ("dlock_ttl", -1, "dlock_ttl"),
         ("dlock_janitor_interval", 0, "dlock_janitor_interval"),
         ("dlock_history_retention", "forever", "dlock_history_retention"),

@@ -230,6 +230,14 @@ def test_no_command_is_a_usage_error(store: CliStore) -> None:
     assert result.returncode == 2
 
 
+def test_a_mistyped_option_after_the_key_is_a_usage_error_not_a_command(store: CliStore) -> None:
+    """Found by trying: ``run KEY --wiat 60 -- true`` took the key, ran ``--wiat`` as the
+    command and recorded it failed (FileNotFoundError, exit 127)."""
+    result = run(store, *TTL, KEY, "--wiat", "60", "--", "true")
+    assert result.returncode == 2 and "--wiat" in result.stderr
+    assert store.backend.history(key=KEY) == []
+
+
 def test_a_command_that_cannot_start_exits_127_and_is_recorded_failed(store: CliStore) -> None:
     result = run(store, *TTL, KEY, "--", "/no/such/command")
     assert result.returncode == 127 and "/no/such/command" in result.stderr
