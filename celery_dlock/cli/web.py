@@ -170,9 +170,17 @@ def _plain(text: str, status: int) -> Response:
     return response
 
 
+#: The page's query parameters (its filters), in the form's order.
+_PARAMETERS = frozenset(("key", "outcome", "problems", "since", "until", "limit"))
+_YES = ("1", "on", "true", "yes")
+
+
 def _page(default_prefix: str) -> Page:
     """The request's filters, checked (a 400 naming the first bad one)."""
     args = request.args
+    unknown = sorted(set(args) - _PARAMETERS)
+    if unknown:  # a misspelt filter (prefix=) would show the page unfiltered
+        abort(400, f"unknown parameter {unknown[0]}: the filters are {', '.join(_PARAMETERS)}")
     prefix = args.get("key", default_prefix)
     if len(prefix) > 1024 or any(ord(c) < 32 for c in prefix):
         abort(400, "key: at most 1024 characters, no control characters")
@@ -183,7 +191,9 @@ def _page(default_prefix: str) -> Page:
         except ValueError:
             names = ", ".join(o.value for o in Outcome)
             abort(400, f"outcome: one of {names}")
-    problems = args.get("problems", "") in ("1", "on", "true", "yes")
+    problems = args.get("problems", "").lower()
+    if problems not in (*_YES, "", "0", "off", "false", "no"):
+        abort(400, "problems: 1 or 0 (on/off, true/false, yes/no)")
     since = _time(args.get("since", "1h"), "since")
     until = _time(args["until"], "until") if args.get("until") else time.time()
     if until <= since:
@@ -194,7 +204,7 @@ def _page(default_prefix: str) -> Page:
         abort(400, "limit: a whole number")
     if not 1 <= limit <= MAX_LIMIT:
         abort(400, f"limit: from 1 to {MAX_LIMIT}")
-    return Page(prefix, outcome, problems, since, until, limit)
+    return Page(prefix, outcome, problems in _YES, since, until, limit)
 
 
 def _time(text: str, name: str) -> float:

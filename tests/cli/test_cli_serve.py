@@ -183,6 +183,10 @@ def test_a_person_sees_leases_history_colours_and_the_filter_working(
         ("/timeline.svg?until=x", "until"),
         ("/metrics?since=%00", "since"),
         ("/?key=%01", "key"),
+        # found by trying: a misspelt filter showed the page unfiltered, with a 200
+        ("/?prefix=job:x", "prefix"),
+        ("/timeline.svg?bogus=1", "bogus"),
+        ("/?problems=maybe", "problems"),
     ],
 )
 def test_bad_input_is_a_400_that_names_it(served: Server, path: str, named: str) -> None:
