@@ -36,7 +36,8 @@ from celery_dlock import (
 )
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.celery.settings import forget_settings
-from tests.celery.prefork import BROKER_DB, RESULTS_DB, Worker, running
+from tests.celery import prefork
+from tests.celery.prefork import Worker, running
 from tests.support import unavailable
 
 STORE = "memory://celery-tests"
@@ -93,7 +94,7 @@ def redis_url() -> str:
         client.ping()
     except redis.RedisError as exc:
         unavailable(f"Redis is not reachable on 127.0.0.1:6379 ({exc})")
-    for db in (BROKER_DB, RESULTS_DB):
+    for db in (prefork.BROKER_DB, prefork.RESULTS_DB):
         redis.Redis(host="127.0.0.1", port=6379, db=db).flushdb()
     return "redis://127.0.0.1:6379"
 

@@ -54,7 +54,22 @@ def _databases() -> tuple[int, int]:
     )
 
 
-BROKER_DB, RESULTS_DB = _databases()
+_pair: list[int] = []
+
+
+def databases() -> tuple[int, int]:
+    """This process's (broker, results) databases, claimed on first use: a pytest-xdist
+    controller, which only loads the conftest, claims none."""
+    if not _pair:
+        _pair.extend(_databases())
+    return _pair[0], _pair[1]
+
+
+def __getattr__(name: str) -> int:
+    """``BROKER_DB`` and ``RESULTS_DB``: :func:`databases`."""
+    if name not in ("BROKER_DB", "RESULTS_DB"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return databases()[0 if name == "BROKER_DB" else 1]
 
 
 class Worker:
@@ -73,8 +88,8 @@ class Worker:
         self.env = {
             **inherited,
             "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-            "DLOCK_TEST_BROKER": f"{redis_url}/{BROKER_DB}",
-            "DLOCK_TEST_RESULTS": f"{redis_url}/{RESULTS_DB}",
+            "DLOCK_TEST_BROKER": f"{redis_url}/{databases()[0]}",
+            "DLOCK_TEST_RESULTS": f"{redis_url}/{databases()[1]}",
             "DLOCK_TEST_LOCKS": lock_url,
             "DLOCK_TEST_LEDGER": str(self.ledger),
             "DLOCK_TEST_QUEUE": self.queue,
