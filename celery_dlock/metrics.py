@@ -16,7 +16,9 @@ Metrics (base units, Prometheus naming):
 - ``dlock_leases_lost_total{task}``: leases lost while held;
 - ``dlock_store_seconds{backend, operation}``: store call latency (histogram);
 - ``dlock_store_errors_total{backend, operation}``: store calls that failed;
-- ``dlock_reaped_total{reason}``: leases the janitor cleared (``disconnected``, ``expired``).
+- ``dlock_reaped_total{reason}``: dead leases cleared (``disconnected``, ``expired``), by the
+  janitor or by an acquire that took one over (a redelivered task takes its killed
+  predecessor's key before any janitor runs).
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ def enable(registry: Any = None) -> None:
                 "dlock_store_errors", "Store calls that failed", ["backend", "operation"],
                 **where,
             ),
-            reaped=Counter("dlock_reaped", "Leases the janitor cleared", ["reason"], **where),
+            reaped=Counter(
+                "dlock_reaped", "Dead leases cleared (janitor or take-over)", ["reason"], **where
+            ),
         )  # fmt: skip
         _on = True
 
@@ -163,6 +167,7 @@ def store_error(backend: str, operation: str) -> None:
 
 
 def reaped(reason: str) -> None:
-    """The janitor cleared a lease (``disconnected`` or ``expired``)."""
+    """A dead lease was cleared (``disconnected`` or ``expired``): by the janitor, or by
+    the acquire that took its key over."""
     if _on:
         _child("reaped", reason).inc()

@@ -193,9 +193,9 @@ class LockBackend(ABC):
 
     #: The URL with its password masked; set by ``from_url``.
     url: str = ""
-    #: The ttl of a lease whose lock gives none: None (no expiry) but on a store whose only
-    #: liveness is a lease's ttl and that will not keep one for ever (Postgres with
-    #: ``liveness=ttl``); a ``Lock`` then renews it.
+    #: The ttl of a lease asked for with none: None (no expiry) but on a store whose only
+    #: liveness is a lease's ttl, which must not keep one for ever (Redis, S3, GCS, Postgres
+    #: with ``liveness=ttl``: their ``ttl`` option); a ``Lock`` then renews it.
     default_ttl: float | None = None
 
     @classmethod
@@ -287,12 +287,14 @@ class LockBackend(ABC):
 
     @abstractmethod
     def last_success(self, key: str, task_name: str) -> Record | None:
-        """The newest ``succeeded`` record on ``key`` of a holder with this ``task_name``
-        that was released with a ``result``.
+        """The ``succeeded`` record kept on ``key`` for ``task_name``: the first released
+        with a ``result`` by a holder with this task name (or kept by ``remember``).
 
         Kept apart from history (``prune_history`` leaves it) for ``once``. Only a success
         released with a result (not None) and a holder with a task name leaves one, so the
-        usual release pays nothing for it.
+        usual release pays nothing for it. A later release's success never replaces
+        another lease's (it is still recorded in the history); the lease's own, kept by
+        ``record_success`` earlier in its run, is updated.
         """
 
     @abstractmethod

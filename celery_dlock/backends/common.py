@@ -1,6 +1,6 @@
 """What the store implementations share beside the contract: objects made once per
 process (the one fork-safety mechanism), expiry arithmetic, the record of a retry's
-takeover, and URL options."""
+takeover, the count of a dead lease taken over, and URL options."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Generic, TypeVar
 from urllib.parse import parse_qsl
 
+from celery_dlock import metrics
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
@@ -25,6 +26,7 @@ __all__ = [
     "flag",
     "retried",
     "retried_details",
+    "taken_over",
     "url_options",
     "wall_clock",
     "weakly",
@@ -142,6 +144,15 @@ def retried(lease: Lease, successor: Holder, now: float) -> Record:
 def retried_details(successor: Holder) -> str:
     """The details recorded on a lease taken over by ``successor``, its own task's retry."""
     return f"continued by its retry: {successor.describe()}"
+
+
+def taken_over(outcome: str | None) -> None:
+    """Count the lease an acquire recorded as it took its key over, if it was dead
+    (``disconnected``, ``expired``), in ``dlock_reaped_total`` as the janitor counts those it
+    reaps: a redelivered task takes its killed predecessor's key before any janitor runs.
+    A lease continued by its own task's retry (``retried``) is no death; None: none taken."""
+    if outcome in (Outcome.DISCONNECTED, Outcome.EXPIRED):
+        metrics.reaped(Outcome(outcome).value)
 
 
 def expiry(now: float, ttl: float | None) -> float | None:

@@ -33,7 +33,14 @@ from celery_dlock.backends.base import (
     success_task,
     validate_ttl,
 )
-from celery_dlock.backends.common import expired, expiry, retried, url_options, wall_clock
+from celery_dlock.backends.common import (
+    expired,
+    expiry,
+    retried,
+    taken_over,
+    url_options,
+    wall_clock,
+)
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["MemoryBackend"]
@@ -92,6 +99,7 @@ class MemoryBackend(LockBackend):
                     self._append(retried(current, holder, now))
                 elif expired(current, now):
                     self._append(Record(current, now, Outcome.EXPIRED, "expired"))
+                    taken_over(Outcome.EXPIRED)
                 else:
                     return None
             fence = self._fences.get(key, 0) + 1
@@ -238,12 +246,16 @@ class MemoryBackend(LockBackend):
 
     def _append(self, record: Record) -> None:
         """Append ``record`` keeping history ordered by release time (the clock may be
-        injected and stepped back by tests)."""
+        injected and stepped back by tests); a success is kept for ``once`` unless another
+        lease's is kept already (the first wins)."""
         if self._history and record.released_at < self._history[-1].released_at:
             times = [r.released_at for r in self._history]
             self._history.insert(bisect.bisect_right(times, record.released_at), record)
         else:
             self._history.append(record)
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
-        if task_name is not None:
+        if task_name is None:
+            return
+        kept = self._successes.get((record.key, task_name))
+        if kept is None or kept.lease.token == record.lease.token:
             self._successes[(record.key, task_name)] = record

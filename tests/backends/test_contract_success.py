@@ -1,12 +1,15 @@
 """The contract of a success that ``once`` must not forget (DESIGN §5): ``remember`` keeps the
-first success and never overwrites one, and ``Lock.release`` of a lease lost meanwhile
-keeps its success and records the release as ``lost``, for every store."""
+first success and never overwrites one, ``Lock.release`` of a lease lost meanwhile
+keeps its success and records the release as ``lost``, and a later release's success (of
+the holder that took the key over) does not replace it, for every store."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from celery_dlock import Lock, Outcome, Record
+from celery_dlock import AsyncLock, Lock, Outcome, Record
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError
 from tests.backends.storecase import StoreCase
@@ -120,3 +123,52 @@ def test_a_lost_failure_is_recorded_lost_with_what_it_could_not_record(store: St
         "CardDeclined\ncard ending 0002 declined"
     )
     assert backend.last_success("job:lost:bad", TASK) is None
+
+
+def test_a_later_success_never_replaces_the_success_a_lost_lease_kept(store: StoreCase) -> None:
+    """A's lease is lost and its release keeps its success; B, which took the key over,
+    then releases with a success of its own: A's stays (the first wins), and B's release
+    is recorded ``succeeded`` with its result in the history all the same."""
+    backend = store.backend
+    mine, other = lose(store, "job:lost:first")
+    first = mine.lease
+    assert first is not None
+    assert mine.release(Outcome.SUCCEEDED, result={"value": "first"}) is None
+    taken = other.get("job:lost:first")
+    assert taken is not None
+
+    second = other.release(taken, Outcome.SUCCEEDED, result={"value": "second"})
+
+    assert second is not None and second.result == {"value": "second"}
+    for client in (backend, other):
+        kept = client.last_success("job:lost:first", TASK)
+        assert kept is not None and kept.lease.token == first.token
+        assert kept.result == {"value": "first"}
+    [recorded] = backend.history(key="job:lost:first", outcome=Outcome.SUCCEEDED)
+    assert recorded.lease.token == taken.token and recorded.result == {"value": "second"}
+
+
+def test_a_later_success_through_the_asyncio_api_never_replaces_the_kept_one(
+    store: StoreCase,
+) -> None:
+    """As above, the later holder an ``AsyncLock`` (the store's own asyncio client where
+    it has one: Postgres, Redis)."""
+    backend = store.backend
+    mine, other = lose(store, "job:lost:aio")
+    first = mine.lease
+    taken = other.get("job:lost:aio")
+    assert first is not None and taken is not None
+    assert mine.release(Outcome.SUCCEEDED, result={"value": "first"}) is None
+    assert other.release(taken, Outcome.FAILED) is not None
+
+    async def succeed_later() -> Record | None:
+        later = AsyncLock(backend, "job:lost:aio", holder=holder(TASK))
+        await later.acquire()
+        return await later.release(Outcome.SUCCEEDED, result={"value": "later"})
+
+    later = asyncio.run(succeed_later())
+
+    assert later is not None and later.result == {"value": "later"}
+    kept = backend.last_success("job:lost:aio", TASK)
+    assert kept is not None and kept.lease.token == first.token
+    assert kept.result == {"value": "first"}

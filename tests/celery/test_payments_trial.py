@@ -155,18 +155,14 @@ def test_the_janitor_prunes_a_charge_s_history_and_once_still_replays_it(
         worker.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed (needs the backends and lock.py): a dead lease recorded by a take-over "
-    "is counted by no metric",
-)
 def test_a_taken_over_dead_charge_is_counted_in_the_metrics(
     tmp_path: Path, redis_url: str, lock_url: str
 ) -> None:
     """The killed child of an acks_late + reject_on_worker_lost task gets no signal: its
-    redelivery takes its dead lease over, recorded ``disconnected`` in the history. The
-    metrics should count that death (README's alert on
-    ``dlock_releases_total{outcome="disconnected"}``: workers dying while holding)."""
+    redelivery takes its dead lease over, recorded ``disconnected`` in the history, before
+    any janitor runs. The store counts that death as the janitor would, in
+    ``dlock_reaped_total{reason="disconnected"}`` (README's alert on workers dying while
+    holding counts it with ``dlock_releases_total{outcome="disconnected"}``)."""
     prometheus_client = pytest.importorskip("prometheus_client")
     directory = tmp_path / "prometheus"
     directory.mkdir()
@@ -221,11 +217,6 @@ def test_two_janitors_at_once_record_each_dead_lease_once(
         worker.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed (needs every backend): a success released normally overwrites the "
-    "success a lost lease kept before it",
-)
 def test_the_first_success_wins_when_a_duplicate_overlapped_a_lost_lease(
     payments: PaymentsWorker, lock_url: str
 ) -> None:
@@ -233,8 +224,10 @@ def test_the_first_success_wins_when_a_duplicate_overlapped_a_lost_lease(
     pg_terminate_backend) while its body waits after the gateway; a duplicate takes the key
     and runs (same idempotency key: the gateway charges once). The first body ends first:
     its release finds the lease gone, records ``lost`` and keeps its success. Then the
-    duplicate ends. "The first success wins; another holder's is never overwritten": a
-    third submission replays the first body's result, the one its caller got."""
+    duplicate ends, released normally (recorded ``succeeded`` with its result), and keeps
+    no success of its own: "the first success wins; another holder's is never
+    overwritten". A third submission replays the first body's result, the one its caller
+    got."""
     if not lock_url.startswith("postgresql"):
         pytest.skip("not applicable: a lock session to end is Postgres's")
     from tests.support.services import lease_session_pids, postgres_admin

@@ -78,6 +78,7 @@ from celery_dlock.backends.common import (
     expiry,
     flag,
     retried,
+    taken_over,
     url_options,
     wall_clock,
 )
@@ -180,18 +181,24 @@ class FileBackend(LockBackend):
         return Locked(self._local.get(), key, operation, self._read_floor)
 
     def _append(self, record: Record, segment: Segment, lease_json: str | None = None) -> None:
-        """Keep ``record`` as its key's last success if it is one (``once``), then append it
-        to the history through ``segment`` (``state.segment`` under a key's flock): a
-        failure of either leaves no record of a release that did not happen."""
+        """Keep ``record`` as its key's last success if it is one (``once``) and none of
+        another lease is kept (the first wins), then append it to the history through
+        ``segment`` (``state.segment`` under a key's flock): a failure of either leaves no
+        record of a release that did not happen."""
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
-        if task_name is not None:
-            self._write_success(record, task_name)
+        if task_name is not None and not self._write_success(record, task_name, first=True):
+            kept = self.last_success(record.key, task_name)
+            if kept is not None and kept.lease.token == record.lease.token:
+                self._write_success(record, task_name)
         segment.append(record, lease_json)
 
-    def _write_success(self, record: Record, task_name: str, *, first: bool = False) -> bool:
+    def _write_success(
+        self, record: Record, task_name: str, *, first: bool = False, durable: bool = False
+    ) -> bool:
         path = history.success_path(self._success_dir, record.key, task_name)
         try:
-            return history.write_success(path, record, fsync=self.fsync, first=first)
+            fsync = durable or self.fsync
+            return history.write_success(path, record, fsync=fsync, first=first)
         except OSError as exc:
             raise BackendError(
                 f"cannot keep the success of {record.key!r}: {exc}", self.url
@@ -217,6 +224,7 @@ class FileBackend(LockBackend):
                 if ended is None:
                     return None
                 self._append(ended, state.segment, state.lease_json)
+                taken_over(ended.outcome)
             lease = Lease(key, new_token(), state.fence + 1, holder, now, expiry(now, ttl))
             state.write(lease.fence, lease)
             return lease
@@ -257,7 +265,7 @@ class FileBackend(LockBackend):
     def remember(self, record: Record) -> bool:
         task_name = success_task(record)
         try:
-            return self._write_success(record, task_name, first=True)
+            return self._write_success(record, task_name, first=True, durable=True)
         except OSError as exc:
             raise BackendError(f"cannot keep the success of {record.key}: {exc}", self.url) from exc
 

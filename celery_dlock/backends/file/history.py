@@ -207,16 +207,16 @@ def success_path(directory: str, key: str, task_name: str) -> str:
 
 
 def write_success(path: str, record: Record, *, fsync: bool, first: bool = False) -> bool:
-    """Write ``record`` to the success file ``path``, whole or not at all; with ``first``,
-    only if there is none yet (``link`` refuses an existing name). Returns whether it
-    was written."""
+    """Write ``record`` to the success file ``path``, whole or not at all (flushed to disk
+    first with ``fsync``); with ``first``, only if there is none yet (``link`` refuses an
+    existing name). Returns whether it was written."""
     temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     data = json.dumps(record.to_dict(), ensure_ascii=False).encode("utf-8", "surrogatepass")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         if os.write(fd, data) != len(data):
             raise OSError(errno.ENOSPC, f"wrote part of {len(data)} bytes")
-        if fsync or first:
+        if fsync:
             os.fsync(fd)
     except OSError:
         os.unlink(temporary)

@@ -24,7 +24,8 @@ Records
     stays there until the next swap that writes a record of its own: that writer first
     copies the one it replaces (one more request, unless this process wrote it) and makes
     no swap if it cannot; ``reap`` copies the ``ended`` of free objects. ``successes`` in
-    the lock object keeps ``once`` exact meanwhile.
+    the lock object keeps ``once`` exact meanwhile. A release keeps its success there and
+    under ``success/`` only if no other lease's is kept (the first wins).
 
 Waiting
     ``wait`` reads, never writes: jittered pauses from 50 ms doubling to 1 s, bounded by the
@@ -50,7 +51,7 @@ from celery_dlock.backends.base import (
     Place,
     validate_ttl,
 )
-from celery_dlock.backends.common import retried
+from celery_dlock.backends.common import retried, taken_over
 from celery_dlock.backends.objectstore import history as records
 from celery_dlock.backends.objectstore.bucket import Bucket
 from celery_dlock.backends.objectstore.clock import (
@@ -60,12 +61,7 @@ from celery_dlock.backends.objectstore.clock import (
     verdict,
 )
 from celery_dlock.backends.objectstore.doctor import checks
-from celery_dlock.backends.objectstore.layout import (
-    Layout,
-    LockState,
-    us,
-    with_success,
-)
+from celery_dlock.backends.objectstore.layout import Layout, LockState, Successes, us
 from celery_dlock.backends.objectstore.store import (
     Found,
     ObjectStore,
@@ -175,7 +171,7 @@ class ObjectStoreBackend(LockBackend):
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        ttl = validate_ttl(ttl)
+        ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
         name = self.layout.lock(key)
         with self.objects.local.get().stripe(name):
             return self._attempt(name, key, holder, ttl, replace)
@@ -210,11 +206,12 @@ class ObjectStoreBackend(LockBackend):
             lease = Lease(key, new_token(), fence, holder, us(start), expires_at)
             ended = None if record is None else record.to_dict()
             if ended is not None and previous is not None and previous.ended is not None:
-                records.keep(self, previous.ended)  # replaced below: in history first
+                records.keep(self, previous)  # its ended, replaced below: in history first
             state, other = self.objects.write_state(name, previous, key, fence, lease, ended=ended)
             if state is not None:
                 if ended is not None:
                     self._flush(ended)
+                    taken_over(ended["outcome"])
                 return state.lease
             # Another writer was first: judge again what is there now.
             assert other is not None
@@ -262,7 +259,8 @@ class ObjectStoreBackend(LockBackend):
             )
             data = record.to_dict()
             if state.ended is not None:
-                records.keep(self, state.ended)  # replaced below: in history first
+                records.keep(self, state)  # its ended, replaced below: in history first
+            successes = records.succeed(self, state, data)
             written, found = self.objects.write_state(
                 name,
                 state,
@@ -271,10 +269,10 @@ class ObjectStoreBackend(LockBackend):
                 None,
                 freed_at=record.released_at,
                 ended=data,
-                successes=with_success(state.successes, data),
+                successes=successes,
             )
             if written is not None:
-                self._flush(data)
+                self._flush(data, successes)
                 self.objects.local.get().wake_one(name)
                 return record
             assert found is not None
@@ -302,7 +300,7 @@ class ObjectStoreBackend(LockBackend):
         return self._end(state, outcome, problem, details, result, own=True)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
-        ttl = validate_ttl(ttl)
+        ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
         state = self._ours(lease)
         name = self.layout.lock(lease.key)
         for _ in range(_ATTEMPTS):
@@ -376,7 +374,7 @@ class ObjectStoreBackend(LockBackend):
         now = self.objects.now()
         ended = state.ended
         if ended is not None and now.low - float(ended["released_at"]) < _REPAIR_WINDOW:
-            self._flush(ended)
+            self._flush(ended, state.successes)
         if state.freed_at is not None and now.low - state.freed_at >= self.gc_after:
             self._collect(name, state)
 
@@ -384,15 +382,17 @@ class ObjectStoreBackend(LockBackend):
         """Remove the lock object of a key idle past ``gc_after``, keeping its fence (in the
         fence floor) and its results (under ``success/``)."""
         for success in state.successes.values():
-            self._flush(success, history=False)
+            self._flush(success, state.successes, history=False)
         self.objects.raise_floor(state.fence)
         if self.store().delete_if(name, state.version):
             self.objects.local.get().saw(name, None)
 
     # -- history (history.py) ---------------------------------------------------------------------
 
-    def _flush(self, record: dict[str, Any], *, history: bool = True) -> None:
-        records.flush(self, record, history=history)
+    def _flush(
+        self, record: dict[str, Any], successes: Successes | None = None, *, history: bool = True
+    ) -> None:
+        records.flush(self, record, successes, history=history)
 
     def add_record(self, record: Record) -> None:
         records.add(self, record)

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery_dlock.backends.base import success_task
 from celery_dlock.backends.naming import file_name
-from celery_dlock.backends.objectstore.layout import LockState, encode, keeps_result
+from celery_dlock.backends.objectstore.layout import (
+    LockState,
+    Successes,
+    encode,
+    keeps_result,
+    kept_in,
+    with_success,
+)
 from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 from celery_dlock.records import Lease, Outcome, Record
@@ -22,25 +29,42 @@ from celery_dlock.records import Lease, Outcome, Record
 if TYPE_CHECKING:
     from celery_dlock.backends.objectstore import ObjectStoreBackend
 
-__all__ = ["add", "flush", "keep", "landed", "last_success", "prune", "query", "remember"]
+__all__ = [
+    "add",
+    "flush",
+    "keep",
+    "landed",
+    "last_success",
+    "prune",
+    "query",
+    "remember",
+    "succeed",
+]
 
 logger = logging.getLogger("celery_dlock")
 _MICRO = 1e6
 
 
-def flush(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool = True) -> None:
+def flush(
+    backend: ObjectStoreBackend,
+    record: dict[str, Any],
+    successes: Successes | None = None,
+    *,
+    history: bool = True,
+) -> None:
     """Write ``record`` (a ``Record.to_dict()``) to ``history/``, and to ``success/`` if it
-    answers ``once``; create-if-absent, so writing twice is harmless. A failure is logged:
-    the record stays in its lock object (``ended``) until ``keep`` or ``reap`` copies it."""
+    is the success kept for its task in ``successes`` (its lock object's); create-if-absent,
+    so writing twice is harmless. A failure is logged: the record stays in its lock object
+    (``ended``) until ``keep`` or ``reap`` copies it."""
     try:
-        _write(backend, record, history=history)
+        _write(backend, record, successes, history=history)
     except BackendError as exc:
         extra = fields("history_delayed", key=record["lease"]["key"], backend=backend.url)
         logger.warning("record of %s not yet in history: %s", extra["key"], exc, extra=extra)
 
 
-def keep(backend: ObjectStoreBackend, record: dict[str, Any]) -> None:
-    """Make sure ``record``, about to be replaced in its lock object's ``ended``, is in
+def keep(backend: ObjectStoreBackend, state: LockState) -> None:
+    """Make sure ``state.ended``, about to be replaced in its lock object, is in
     ``history/`` first: its writer may have died, or failed to write it, after the swap
     that put it there. One create-if-absent unless this process wrote it already.
 
@@ -48,16 +72,23 @@ def keep(backend: ObjectStoreBackend, record: dict[str, Any]) -> None:
         BackendError: it could not be written; the swap that would replace it must not be
             made.
     """
-    _write(backend, record, history=True)
+    assert state.ended is not None
+    _write(backend, state.ended, state.successes, history=True)
 
 
-def _write(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool) -> None:
+def _write(
+    backend: ObjectStoreBackend,
+    record: dict[str, Any],
+    successes: Successes | None,
+    *,
+    history: bool,
+) -> None:
     local = backend.objects.local.get()
     token = str(record["lease"]["token"])
     if local.flushed(token):
         return
     names = [backend.layout.history_name(record)] if history else []
-    if keeps_result(record):
+    if kept_in(successes, record):
         names.append(backend.layout.success_name(record))
     body = encode(record)
     for name in names:
@@ -68,11 +99,11 @@ def _write(backend: ObjectStoreBackend, record: dict[str, Any], *, history: bool
 
 def add(backend: ObjectStoreBackend, record: Record) -> None:
     """A record that ended no lease here (a skipped attempt): history, and ``success/`` if
-    it answers ``once``."""
+    it answers ``once`` and no success of its key and task is kept (``remember``)."""
     data = record.to_dict()
     backend.objects.create(backend.layout.history_name(data), encode(data))
     if keeps_result(data):
-        backend.objects.create(backend.layout.success_name(data), encode(data))
+        remember(backend, record)
 
 
 def query(
@@ -120,10 +151,10 @@ def landed(
     None: no such release landed."""
     wanted = Outcome(outcome).value
     ended = None if state is None else state.ended
-    if ended is not None and ended["lease"]["token"] == lease.token:
+    if state is not None and ended is not None and ended["lease"]["token"] == lease.token:
         if ended["outcome"] != wanted:
             return None
-        flush(backend, ended)
+        flush(backend, ended, state.successes)
         return Record.from_dict(ended)
     oldest = math.floor(lease.acquired_at * _MICRO)
     for found in backend.store().names(backend.layout.history):
@@ -144,11 +175,31 @@ def last_success(backend: ObjectStoreBackend, key: str, task_name: str) -> Recor
     state = backend.objects.decode(backend.objects.read(name), name)
     if state is not None and task_name in state.successes:
         return Record.from_dict(state.successes[task_name])
+    kept = _kept_apart(backend, key, task_name)
+    return None if kept is None else Record.from_dict(kept)
+
+
+def _kept_apart(backend: ObjectStoreBackend, key: str, task_name: str) -> dict[str, Any] | None:
+    """The newest success of ``key`` and ``task_name`` under ``success/``, or None."""
     for success in backend.store().names(backend.layout.success_dir(key, task_name)):
         body = backend.objects.read(success).body
         if body is not None:
-            return Record.from_dict(json.loads(body))
+            kept: dict[str, Any] = json.loads(body)
+            return kept
     return None
+
+
+def succeed(backend: ObjectStoreBackend, state: LockState, record: dict[str, Any]) -> Successes:
+    """``state``'s successes after the release that writes ``record``: with it if it answers
+    ``once`` and no other lease's success is kept, in the lock object or (one listing, for
+    the first success of a task there) under ``success/``; the first success wins."""
+    if not keeps_result(record):
+        return state.successes
+    task_name = str(record["lease"]["holder"]["task_name"])
+    kept = state.successes.get(task_name) or _kept_apart(backend, state.key, task_name)
+    if kept is not None and kept["lease"]["token"] != record["lease"]["token"]:
+        return state.successes
+    return with_success(state.successes, record)
 
 
 def remember(backend: ObjectStoreBackend, record: Record) -> bool:

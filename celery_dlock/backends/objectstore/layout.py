@@ -6,14 +6,15 @@
     cannot escape or collide. The body is JSON: ``state`` (``held`` or ``free``), ``fence``,
     the ``lease`` (token, holder, acquired_at, expires_at), ``write`` (a nonce new for every
     write, so no two bodies, and no two S3 ETags, are ever equal), ``freed_at``, ``ended``
-    (the record of the last lease that ended) and ``successes`` (the newest success with a
-    result per task name, for ``once``).
+    (the record of the last lease that ended) and ``successes`` (the success with a result
+    kept per task name for ``once``: the first, never replaced by another lease's).
 ``history/<17 digits>-<token>-<outcome>-<name>``
     One create-only object per record; the digits are 10**17 - 1 - released_at in
     microseconds, so a listing is newest first, and key and outcome filter by name.
 ``success/<name>/<task name>/<20 digits>``
-    Create-only, one per success with a result; the digits are 10**20 - 1 - fence, so the
-    newest comes first. ``prune_history`` keeps the newest of each.
+    Create-only, one per success kept (more than one only where two holders raced); the
+    digits are 10**20 - 1 - fence, so the newest comes first. ``prune_history`` keeps the
+    newest of each.
 ``fence-floor``
     The highest fence of any lock object the janitor deleted; a lock object created anew
     starts above it.
@@ -41,8 +42,10 @@ __all__ = [
     "HistoryName",
     "Layout",
     "LockState",
+    "Successes",
     "encode",
     "keeps_result",
+    "kept_in",
     "lock_body",
     "us",
     "with_success",
@@ -72,11 +75,23 @@ def encode(data: dict[str, Any]) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode("ascii")
 
 
+#: A lock object's ``successes``: task name -> the record (``Record.to_dict()``) kept.
+Successes = dict[str, dict[str, Any]]
+
+
 def keeps_result(record: dict[str, Any]) -> bool:
     """Whether ``record`` (a ``Record.to_dict()``) keeps a result for ``last_success``: a
     success with a result, of a holder with a task name."""
     task_name = record["lease"]["holder"]["task_name"]
     return remembered(record["outcome"], record["result"], task_name) is not None
+
+
+def kept_in(successes: Successes | None, record: dict[str, Any]) -> bool:
+    """Whether ``record`` is the success kept for its task in ``successes``."""
+    if successes is None or not keeps_result(record):
+        return False
+    kept = successes.get(str(record["lease"]["holder"]["task_name"]))
+    return kept is not None and kept["lease"]["token"] == record["lease"]["token"]
 
 
 class HistoryName(NamedTuple):
@@ -228,11 +243,10 @@ def lock_body(
 _SUCCESSES_KEPT = 8
 
 
-def with_success(
-    successes: dict[str, dict[str, Any]], record: dict[str, Any]
-) -> dict[str, dict[str, Any]]:
-    """``successes`` with ``record`` as its task's newest, if it answers ``once``; at most
-    the newest 8 task names are kept in the lock object (the rest stay in ``success/``)."""
+def with_success(successes: Successes, record: dict[str, Any]) -> Successes:
+    """``successes`` with ``record`` as its task's, if it answers ``once`` (the caller
+    checked that no other lease's is kept); at most the 8 task names of the newest are
+    kept in the lock object (the rest stay in ``success/``)."""
     if not keeps_result(record):
         return successes
     task_name = str(record["lease"]["holder"]["task_name"])

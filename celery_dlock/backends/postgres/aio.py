@@ -309,10 +309,7 @@ class AsyncPostgres:
             return row
         params["retried"] = retried_details(holder)
         params["held"] = list(session.held)
-        row = await session.one(self._sql.take_over, params)
-        if row is not None and row[7] is not None:  # the old lease was this session's
-            session.held.pop(int(row[6]), None)
-        return None if row is None else row[1:6]
+        return rows.took_over(await session.one(self._sql.take_over, params), session.held)
 
     async def _acquire(
         self, state: _Loop, holder: Holder, params: dict[str, Any], *, polite: bool

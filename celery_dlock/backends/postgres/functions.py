@@ -71,7 +71,7 @@ def functions(statements: Statements) -> list[str]:
   v_until float8;
   v_locked boolean;
   v_pid integer;
-  v_records int8;
+  v_ended text;
   v_old int8;
   v_unlocked boolean;
 BEGIN
@@ -96,7 +96,7 @@ BEGIN
     v_held := ARRAY(SELECT l.fence FROM {n.locks} AS l
                     WHERE l.key = p_key AND l.backend_pid = pg_backend_pid());
     {take_over}
-    INTO v_records, v_fence, v_at, v_until, v_locked, v_pid, v_old, v_unlocked;
+    INTO v_ended, v_fence, v_at, v_until, v_locked, v_pid, v_old, v_unlocked;
     IF NOT FOUND THEN
       RETURN;  -- held by a live holder
     END IF;

@@ -9,10 +9,11 @@ from typing import Any
 
 from psycopg.types.numeric import Int8
 
+from celery_dlock.backends.common import taken_over
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, truncate_utf8
 
-__all__ = ["lease", "record", "record_params", "result_json", "text", "timestamp"]
+__all__ = ["lease", "record", "record_params", "result_json", "text", "timestamp", "took_over"]
 
 #: Bytes of UTF-8 kept of a record's ``problem`` (an exception's type name, normally).
 PROBLEM_LIMIT = 1024
@@ -28,6 +29,18 @@ def lease(row: Any) -> Lease:
 def record(row: Any) -> Record:
     """A record from a lease's columns and ``released_at, outcome, problem, details, result``."""
     return Record(lease(row), row[6], Outcome(row[7]), row[8], row[9], row[10])
+
+
+def took_over(row: Any, held: dict[int, str]) -> Any:
+    """The new lease's columns of a ``take_over`` row, or None (no row: its holder lives).
+    The old lease is counted if it was dead (``taken_over``) and, if this session held its
+    advisory lock (which the statement let go), dropped from ``held`` (fence -> key)."""
+    if row is None:
+        return None
+    taken_over(row[0])
+    if row[7] is not None:
+        held.pop(int(row[6]), None)
+    return row[1:6]
 
 
 def timestamp(seconds: float) -> datetime:

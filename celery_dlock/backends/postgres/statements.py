@@ -208,9 +208,9 @@ class Statements:
         n, keys = self.names, self.keys
         self.take_over = (
             "-- take_over: key, token, holder, ttl, replace, retried details, fences this "
-            "session holds | (records, fence, acquired_at, expires_at, advisory lock taken, "
-            "backend pid, old fence, old fence unlocked) of the new lease, after recording "
-            "the old one as retried, expired or disconnected; no row when its holder lives\n"
+            "session holds | (the old lease's outcome: retried, expired or disconnected, "
+            "fence, acquired_at, expires_at, advisory lock taken, backend pid, old fence, old "
+            "fence unlocked) of the new lease, the old one recorded; no row when its holder lives\n"
             f"WITH grant_ AS MATERIALIZED (SELECT FROM {grant}),\n"
             "cur AS MATERIALIZED (\n"
             "  SELECT l.*, CASE WHEN l.token = %(replace)s THEN 'retried' "
@@ -240,11 +240,11 @@ class Statements:
             "CASE WHEN cur.ended = 'retried' THEN %(retried)s ELSE "
             f"{_ENDED.format('cur.ended', 'cur.backend_pid')} END, NULL\n"
             "  FROM cur WHERE EXISTS (SELECT FROM taken)\n"
-            "  RETURNING 1),\n"
+            "  RETURNING outcome),\n"
             "new AS MATERIALIZED (\n"
             "  SELECT taken.*, cur.fence AS old FROM taken, cur\n"
             "  UNION ALL SELECT fresh.*, NULL FROM fresh)\n"
-            f"SELECT (SELECT count(*) FROM ended), {returning}, "
+            f"SELECT (SELECT outcome FROM ended), {returning}, "
             "old, CASE WHEN old = ANY(%(held)s::int8[]) "
             f"THEN pg_advisory_unlock({keys.of('old')}) END "
             "FROM new"
@@ -312,7 +312,7 @@ class Statements:
         )
 
     def _success(self) -> str:
-        """A CTE that keeps the newest success of each (key, task) from ``rec``."""
+        """A CTE: ``rec``'s success kept for its key and task unless another lease's is."""
         n = self.names
         columns = f"key, task_name, {_RECORD}"
         updates = ", ".join(f"{c} = excluded.{c}" for c in _RECORD.split(", "))
@@ -323,7 +323,7 @@ class Statements:
             "  FROM rec WHERE outcome = 'succeeded' AND result IS NOT NULL "
             "AND holder->>'task_name' IS NOT NULL\n"
             f"  ON CONFLICT (key, task_name) DO UPDATE SET {updates}\n"
-            f"  WHERE {n.successes}.released_at <= excluded.released_at\n"
+            f"  WHERE {n.successes}.token = excluded.token\n"
             "  RETURNING 1)"
         )
 

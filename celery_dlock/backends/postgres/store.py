@@ -153,12 +153,7 @@ class PostgresStore(LockBackend):
         recording the old lease in the same statement; None while its holder lives."""
         params["retried"] = retried_details(holder)
         params["held"] = list(session.held)
-        row = session.one(self._sql.take_over, params)
-        if row is None:
-            return None
-        if row[7] is not None:  # the old lease was this session's: its lock is let go
-            session.held.pop(int(row[6]), None)
-        return row[1:6]
+        return rows.took_over(session.one(self._sql.take_over, params), session.held)
 
     def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None] | None:
         """Report ``lease`` lost within about a second if the lock session that holds it (this

@@ -184,6 +184,7 @@ class RedisBackend(LockBackend):
             restart_delay=restart_delay,
             success_ttl=success_ttl,
             slack=self._client.slack,
+            default_ttl=self.default_ttl,
         )
         self._async: AsyncRedis | None = None
 

@@ -13,7 +13,7 @@ from dataclasses import replace as with_fields
 from typing import Any
 
 from celery_dlock.backends.base import remembered, validate_ttl
-from celery_dlock.backends.common import retried_details
+from celery_dlock.backends.common import retried_details, taken_over
 from celery_dlock.backends.redis.fields import encode_json, holder_json, optional_seconds
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.scripts import bulks
@@ -59,8 +59,11 @@ class Calls:
         restart_delay: float,
         success_ttl: float,
         slack: float,
+        default_ttl: float | None = None,
     ) -> None:
         self.layout = layout
+        #: The ttl of a lease asked for with none (the ``ttl`` option): its only liveness.
+        self.default_ttl = default_ttl
         #: The arguments every lease-ending script takes first.
         self.common = (str(history_maxlen), ms(gc_after), _SIGNAL_MS)
         self.success_ms = ms(success_ttl)
@@ -104,7 +107,7 @@ class Calls:
         """The tokens tried (one now; the retry adds its own), the part count and packed
         tail of an ``ACQUIRE``, and the tail of its retry: a fresh token and the earlier
         ones, so that a try whose lease Redis expired is never granted again."""
-        ttl = validate_ttl(ttl)
+        ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
         tokens = [new_token()]
         head = self._segment(key, 7)
         args: list[bytes | str] = [
@@ -126,8 +129,12 @@ class Calls:
 
     def acquired(self, key: str, holder: Holder, token: str, reply: bytes) -> Lease | None:
         """The lease an ``ACQUIRE`` sent last as ``token`` grants (or an earlier try of it,
-        whose token the reply names), or None; the epoch it reports kept."""
+        whose token the reply names), or None; the epoch it reports kept, and the expired
+        lease it recorded counted (``taken_over``)."""
         parts = reply.split()
+        if parts[-1] == b"expired":
+            taken_over(Outcome.EXPIRED)
+            parts.pop()
         if len(parts) == 5:
             fence, acquired, expires, _, earlier = parts
             token = earlier.decode()
@@ -203,7 +210,7 @@ class Calls:
 
     def renew_call(self, lease: Lease, ttl: float | None) -> tuple[int, bytes]:
         """Part count and packed tail of a ``RENEW``."""
-        ttl = validate_ttl(ttl)
+        ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
         tail = self._segment(lease.key, 5) + bulks([lease.token, "" if ttl is None else ms(ttl)])
         return self._segment_count(5) + 2, tail
 

@@ -33,8 +33,8 @@ return gone
 ADD = Script(
     "add",
     """
--- add: KEYS 1 history[, 2 result key] | ARGV 1 maxlen, 2 id ms, 3 result ms, 4... the
--- record's fields | 1
+-- add: KEYS 1 history[, 2 result key: kept there unless another lease's is] | ARGV 1
+-- maxlen, 2 id ms, 3 result ms, 4... the record's fields (7: its token) | 1
 local fields = {}
 for i = 4, #ARGV do
   fields[#fields + 1] = ARGV[i]
@@ -43,7 +43,8 @@ local added = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[2] .. '-
 if type(added) == 'table' and added.err then
   redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
 end
-if KEYS[2] then
+local kept = KEYS[2] and redis.call('HGET', KEYS[2], 'tok')
+if KEYS[2] and (not kept or kept == ARGV[7]) then
   redis.call('HSET', KEYS[2], unpack(fields))
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
 end

@@ -130,8 +130,9 @@ local function live(token)
 end
 
 -- end_lease: the lease in KEYS[2], key, outcome, JSON of problem/details/result, release
--- time, wake?, result key or nil, its retention, the token of a release to remember
--- or nil, the state as read by STATE or nil | the record's fields, now in history
+-- time, wake?, result key or nil (kept there unless another lease's is), its retention,
+-- the token of a release to remember or nil, the state as read by STATE or nil | the
+-- record's fields, now in history
 local STATE = {'tok', 'fence', 'holder', 'acq', 'exp', 'wt'}
 local function end_lease(key, outcome, prob, det, res, rel, waking, result_key, result_ms, token, s)
   s = s or redis.call('HMGET', KEYS[2], unpack(STATE))
@@ -144,7 +145,9 @@ local function end_lease(key, outcome, prob, det, res, rel, waking, result_key, 
     -- Redis's clock went back below the newest entry: keep stream order, take its id.
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[1], '*', unpack(fields))
   end
-  if result_key then
+  -- The first success wins: another lease's stays; this lease's own is updated.
+  local kept = result_key and redis.call('HGET', result_key, 'tok')
+  if result_key and (not kept or kept == s[1]) then
     redis.call('HSET', result_key, unpack(fields))
     redis.call('PEXPIRE', result_key, result_ms)
   end
@@ -182,7 +185,8 @@ ACQUIRE = _script(
 -- details JSON for its record, tokens of this acquire's earlier tries (space-separated;
 -- '' on its first) | 'fence acq exp epoch' taken as token; 'fence acq exp - earlier' an
 -- earlier try took it and its reply was lost; '0 epoch' held by another, or quarantined
--- ('-': the epoch was not read)
+-- ('-': the epoch was not read); ' expired' ends the reply of a grant that recorded the
+-- lease before it expired
 local key, token, ttl, replace = ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 if ARGV[12] ~= '' then
   -- A retry: each try has a token of its own, so a lease an earlier try took and Redis
@@ -254,9 +258,11 @@ if not taken then
     redis.call('SET', KEYS[1], token)
   end
 end
+local ended = ''
 if live(s[2]) then
   -- The lock key was gone but its lease was never recorded: Redis expired it.
   end_lease(key, 'expired', '"expired"', 'null', 'null', now, false, nil, nil, nil, nil)
+  ended = ' expired'
 end
 -- A fence is Redis's clock in microseconds, or one more than the key's last fence if that
 -- is higher (the clock stepped back): each acquisition takes Redis more than a
@@ -275,7 +281,7 @@ redis.call('ZADD', KEYS[3], exp_ms or '+inf', key)
 if exp == '' then
   exp = '-'
 end
-return table.concat({int(fence), seconds(now), exp, epoch}, ' ')
+return table.concat({int(fence), seconds(now), exp, epoch}, ' ') .. ended
 """,
 )
 
