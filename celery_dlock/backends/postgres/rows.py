@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -18,7 +17,6 @@ __all__ = ["lease", "record", "record_params", "result_json", "text", "timestamp
 #: Bytes of UTF-8 kept of a record's ``problem`` (an exception's type name, normally).
 PROBLEM_LIMIT = 1024
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 
 
 def lease(row: Any) -> Lease:
@@ -78,8 +76,8 @@ def result_json(result: Any) -> tuple[str | None, Any]:
         raise ConfigurationError(
             f"a released lease's result must be JSON-compatible, got {type(result).__name__}: {exc}"
         ) from exc
-    if "\\u0000" in dumped:  # Postgres JSON cannot hold NUL: U+FFFD, as in text
-        dumped = _NUL_ESCAPE.sub(r"\1\\ufffd", dumped)
+    # A NUL stays: the json type keeps its "\u0000" escape (jsonb and text could not hold
+    # it), and a once replay must give back what the first caller got (bytes included).
     return dumped, json.loads(dumped)
 
 
