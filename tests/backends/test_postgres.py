@@ -547,7 +547,7 @@ def test_details_over_the_bound_are_truncated_not_refused(backend: PostgresBacke
     assert backend.get("job:long") is None
 
 
-def test_text_postgres_cannot_hold_is_replaced_and_a_result_kept_whole(backend: PostgresBackend) -> None:
+def test_text_postgres_cannot_hold_is_replaced_a_result_kept(backend: PostgresBackend) -> None:
     lease = backend.try_acquire("job:nul", holder("t"), None)
     assert lease is not None
     record = backend.release(lease, Outcome.SUCCEEDED, "a\x00b", "c\x00d\ud800", {"v": "e\x00f"})
