@@ -1,7 +1,9 @@
 """Background renewal of leases that expire, and what happens when one is lost.
 
 A :class:`Renewer` is a real OS thread (not a greenlet: a blocked event loop must not stop
-renewals) that renews a lease every ``ttl / 3`` seconds. A renewal that returns None means
+renewals) that renews a lease every ``ttl / 3`` seconds. It starts when the first renewal is
+due, from one thread per process that keeps the first renewals of every lease: a lease
+released sooner (most task runs) costs no thread of its own. A renewal that returns None means
 the lease is gone: the renewer marks it lost and calls ``on_lost`` once. A renewal that
 raises (store unreachable) is retried until the lease would have expired by our own
 monotonic clock; then the lease is treated as lost too, since someone else may hold it.
@@ -9,7 +11,10 @@ monotonic clock; then the lease is treated as lost too, since someone else may h
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,23 +54,37 @@ class Renewer:
         self.on_lost = on_lost
         self.lost = threading.Event()
         self._stopping = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name=f"dlock-renew:{lease.key}", daemon=True
-        )
+        self._mutex = threading.Lock()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> Renewer:
-        self._thread.start()
+        """Renew from one ``interval`` on: the thread starts then, if still held."""
+        _first_renewals.add(self, time.monotonic() + self.interval)
         return self
+
+    def _begin(self) -> None:
+        """The first renewal is due: start the thread, unless stopped meanwhile."""
+        with self._mutex:
+            if self._stopping.is_set():
+                return
+            self._thread = threading.Thread(
+                target=self._run, name=f"dlock-renew:{self.lease.key}", daemon=True
+            )
+            self._thread.start()
 
     def stop(self) -> None:
         """Stop renewing and wait for a renewal under way, so none races the release."""
         self._stopping.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+        with self._mutex:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
     def _run(self) -> None:
-        renewed_at = time.monotonic()
-        while not self._stopping.wait(self.interval):
+        renewed_at = time.monotonic() - self.interval  # the grant, one interval ago
+        wait = 0.0  # the first renewal is due now
+        while not self._stopping.wait(wait):
+            wait = self.interval
             try:
                 lease = self.backend.renew(self.lease, self.ttl)
             except DLockError as exc:
@@ -94,6 +113,50 @@ class Renewer:
     def _lose(self) -> None:
         self.lost.set()
         report_lost(self.lease, self.on_lost)
+
+
+class _FirstRenewals:
+    """When each held lease's first renewal is due, in one thread per process, which starts
+    that lease's :class:`Renewer` thread then (a forked child starts its own)."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[float, int, Renewer]] = []
+        self._order = itertools.count()
+        self._changed = threading.Condition()
+        self._pid = 0
+
+    def add(self, renewer: Renewer, at: float) -> None:
+        with self._changed:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(
+                    target=self._run, name="celery_dlock first renewals", daemon=True
+                ).start()
+            heapq.heappush(self._due, (at, next(self._order), renewer))
+            if self._due[0][2] is renewer:
+                self._changed.notify()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        with self._changed:
+            while self._pid == pid:
+                left = self._due[0][0] - time.monotonic() if self._due else None
+                if left is None or left > 0:
+                    self._changed.wait(left)
+                    continue
+                _, _, renewer = heapq.heappop(self._due)
+                renewer._begin()
+
+    def forget(self) -> None:
+        """In a forked child: the parent's thread and leases are not ours (its lock may
+        have been held at the fork)."""
+        self._due = []
+        self._changed = threading.Condition()
+        self._pid = 0
+
+
+_first_renewals = _FirstRenewals()
+os.register_at_fork(after_in_child=_first_renewals.forget)
 
 
 def report_lost(lease: Lease, on_lost: Callable[[Lease], None] | None, how: str = "") -> None:

@@ -182,6 +182,27 @@ def test_no_renewal_thread_without_ttl(backend: MemoryBackend) -> None:
         assert threading.active_count() == before
 
 
+def test_a_lease_released_before_its_first_renewal_costs_no_thread(
+    backend: MemoryBackend,
+) -> None:
+    """A lease with a ttl starts its renewal thread when the first renewal is due, not at
+    the grant: most task runs end sooner (on Redis every lock has a ttl now), and a thread
+    started and joined per run cost throughput. One that is held that long is renewed."""
+
+    def renewers() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("dlock-renew:")]
+
+    for n in range(20):
+        with lock(f"job:short:{n}", backend, ttl=30):
+            assert renewers() == []
+    with lock("job:long", backend, ttl=0.3) as lease:
+        renewed = eventually(
+            lambda: (current := backend.get("job:long")) and current.expires_at > lease.expires_at,
+            "the lease renewed",
+        )
+        assert renewers() == ["dlock-renew:job:long"] and renewed
+
+
 def test_misuse_is_refused(backend: MemoryBackend) -> None:
     the_lock = Lock(backend, "job:misuse")
     with pytest.raises(ConfigurationError, match="not held"):
