@@ -1,15 +1,17 @@
 """Redis backend: uncontended pairs against a raw floor, and handoffs between 8 processes.
 
     python bench/bench_redis.py [--url redis://127.0.0.1:6379/8] [--rounds 5] [--seconds 1.0]
-                                [--contended-seconds 4] [--processes 8]
+                                [--contended-seconds 4] [--processes 8] [--redis-time PAIRS]
+                                [--slice SECONDS]
 
 Uses one Redis database (FLUSHDB at the start: give it a database of its own). All in one
 run, uncontended variants interleaved round by round:
 - ``floor`` (the target's floor): ``SET key token NX PX`` + an ``EVALSHA`` of a Lua
   compare-and-delete, through redis-py's ``execute_command`` with our client settings.
 - ``floor, bare connection``: the same two commands on a redis-py ``Connection``
-  (``send_command``/``read_response``): the path celery_dlock itself takes, so the gap to
-  it is what our scripts and objects cost.
+  (``send_command``/``read_response``): about the path celery_dlock takes (it packs its
+  commands and reads its scripts' replies itself), so the gap to it is what our scripts
+  and objects cost.
 - ``celery_dlock``: ``RedisBackend.try_acquire`` + ``release`` (fence, holder, index,
   history record in the capped stream, a wake-up for waiters).
 - ``celery_dlock Lock``: the same through ``with Lock(...)`` (a holder per acquisition).
@@ -19,9 +21,13 @@ Redis round trips (read-modify-write of a counter, checked for lost updates and 
 release. *Handoff* is the time from the holder's ``release()`` (returning; and, as in
 the anchor figures, being called) to another process's ``acquire()`` returning, on the
 shared monotonic clock.
-Targets (issue 5): celery_dlock ≥ 0.8× the floor; handoff p99 ≤ 2 ms. On this machine
-type redis-py's Lock reaches 0.77× without fence or history; handoff p99: python-redis-lock
-3.4 ms, redis-py 91 ms.
+Targets: celery_dlock ≥ 0.8× the floor and handoff p99 ≤ 2 ms (issue 5); ``celery_dlock
+Lock`` ≥ 1.0× the floor (issue 14). On this machine type redis-py's Lock reaches 0.77×
+without fence or history; handoff p99: python-redis-lock 3.4 ms, redis-py 91 ms.
+``--slice 0.05`` interleaves the uncontended variants in 50 ms slices within each round,
+for a machine whose load comes and goes; ``--contended-seconds 0`` runs the uncontended
+part only; ``--redis-time N`` adds Redis's own
+time per ``Lock`` pair and per floor pair (``INFO commandstats`` over N pairs in blocks).
 """
 
 from __future__ import annotations
@@ -42,7 +48,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import redis
-from benchlib import interleaved, our_variants, percentile, print_table, ratio_per_round
+from benchlib import (
+    Result,
+    Sample,
+    interleaved,
+    measure,
+    our_variants,
+    percentile,
+    print_table,
+    ratio_per_round,
+)
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -110,6 +125,69 @@ def uncontended(url: str) -> tuple[dict[str, Callable[[], object]], RedisBackend
     except ImportError:
         print("python-redis-lock is not installed: pip install python-redis-lock to compare")
     return variants, backend
+
+
+def redis_time(url: str, pairs: int) -> None:
+    """Print Redis's own time per ``with Lock(...)`` pair and per floor pair: ``INFO
+    commandstats`` after ``CONFIG RESETSTAT``, over blocks of 1,000 pairs taken in turn
+    (the median block, min-max), and the commands the scripts ran. Exact only while no
+    other client runs scripts or commands on this server."""
+    r = client(url)
+    variants, backend = uncontended(url)
+    names = ("celery_dlock Lock", FLOOR)
+    usec: dict[str, list[float]] = {name: [] for name in names}
+    ran: dict[str, dict[str, Any]] = {}
+    for _ in range(max(1, pairs // 1000)):
+        for name in names:
+            for _ in range(100):
+                variants[name]()
+            r.config_resetstat()
+            for _ in range(1000):
+                variants[name]()
+            ran[name] = stats = r.info("commandstats")
+            # A command's time counts under its own name and, run by a script, under the
+            # script's too: add up the commands the client sent.
+            sent = ("evalsha", "set") if name == FLOOR else ("evalsha",)
+            usec[name].append(sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in sent))
+    print(f"\nRedis time per pair, {len(usec[FLOOR])} blocks of 1,000 (INFO commandstats)")
+    for name in names:
+        block = [u / 1000 for u in usec[name]]
+        inner = {
+            command[8:]: round(stat["calls"] / 1000, 2)
+            for command, stat in sorted(ran[name].items())
+            if command[8:] not in ("evalsha", "info", "config|resetstat")
+        }
+        print(
+            f"- {name}: {statistics.median(block):.1f} µs ({min(block):.1f}–{max(block):.1f}); "
+            f"commands per pair (last block): {inner}"
+        )
+    backend.close()
+
+
+def sliced(
+    variants: dict[str, Callable[[], object]], rounds: int, seconds: float, piece: float
+) -> dict[str, Result]:
+    """``interleaved`` with each round's ``seconds`` per variant cut into ``piece``-second
+    slices taken in turn (A B C A B C ...), so that load which comes and goes within a
+    round (other jobs on a shared machine) hits every variant alike. A round's figures:
+    its throughput (the mean of its slices'), the median of its slices' p50 and p99."""
+    results = {name: Result(name) for name in variants}
+    for operation in variants.values():
+        measure(operation, piece)  # the warm-up, once
+    for _ in range(rounds):
+        slices: dict[str, list[Sample]] = {name: [] for name in variants}
+        for _ in range(max(1, round(seconds / piece))):
+            for name, operation in variants.items():
+                slices[name].append(measure(operation, piece, warmup=0.0))
+        for name, taken in slices.items():
+            results[name].samples.append(
+                Sample(
+                    ops_per_s=statistics.fmean(s.ops_per_s for s in taken),
+                    p50_us=statistics.median(s.p50_us for s in taken),
+                    p99_us=statistics.median(s.p99_us for s in taken),
+                )
+            )
+    return results
 
 
 # -- contended -------------------------------------------------------------------------------
@@ -215,6 +293,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--contended-seconds", type=float, default=4.0)
     parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--redis-time", type=int, default=0, metavar="PAIRS")
+    parser.add_argument("--slice", type=float, default=0.0, metavar="SECONDS")
     options = parser.parse_args()
     url = options.url
     client(url).flushdb()
@@ -225,17 +305,31 @@ def main() -> None:
     )
 
     variants, backend = uncontended(url)
-    print(f"\nuncontended, {options.rounds} rounds × {options.seconds} s, interleaved")
-    results = interleaved(variants, options.rounds, options.seconds)
+    how = f"in {options.slice} s slices" if options.slice else "round by round"
+    print(f"\nuncontended, {options.rounds} rounds × {options.seconds} s, interleaved {how}")
+    if options.slice:
+        results = sliced(variants, options.rounds, options.seconds, options.slice)
+    else:
+        results = interleaved(variants, options.rounds, options.seconds)
     print_table(results, floor=FLOOR)
     ratio = statistics.median(ratio_per_round(results, "celery_dlock", FLOOR))
     bare = statistics.median(ratio_per_round(results, "celery_dlock", "floor, bare connection"))
     verdict = "meets" if ratio >= 0.8 else "MISSES"
     print(f"\ncelery_dlock / floor = {ratio:.2f} ({verdict} the target of ≥ 0.80)")
     print(f"celery_dlock / floor on a bare connection = {bare:.2f}")
+    locked = ratio_per_round(results, "celery_dlock Lock", FLOOR)
+    verdict = "meets" if statistics.median(locked) >= 1.0 else "MISSES"
+    print(
+        f"celery_dlock Lock / floor = {statistics.median(locked):.2f} "
+        f"({min(locked):.2f}–{max(locked):.2f}; {verdict} the target of ≥ 1.0)"
+    )
     records = client(url).xlen("{bench}:history")
     print(f"history stream length after the run: {records:,} (capped near 100,000)")
     backend.close()
+    if options.redis_time:
+        redis_time(url, options.redis_time)
+    if options.contended_seconds <= 0:
+        return
 
     names = ["celery_dlock", "python-redis-lock", "redis-py Lock"]
     if "python-redis-lock" not in variants:

@@ -44,7 +44,8 @@ _LAZY_NAMES = {
     "LockedTask": "celery_dlock.celery",
     "install": "celery_dlock.celery",
     "AsyncLock": "celery_dlock.aio",
-    "alock": "celery_dlock.aio",
+    "AsyncLocks": "celery_dlock.alocks",
+    "alock": "celery_dlock.alocks",
 }
 
 
@@ -73,6 +74,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AlreadySucceededError",
     "AsyncLock",
+    "AsyncLocks",
     "BackendError",
     "Capabilities",
     "ConfigurationError",

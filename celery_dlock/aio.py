@@ -1,5 +1,5 @@
-"""asyncio: :class:`AsyncLock` and :func:`alock`, the contract of :class:`Lock` from a
-coroutine::
+"""asyncio: :class:`AsyncLock`, the contract of :class:`Lock` from a coroutine (``alock``
+and several keys, :class:`~celery_dlock.alocks.AsyncLocks`: ``alocks.py``)::
 
     async with celery_dlock.alock("job:123", backend=url, ttl=30, wait=5) as lease:
         await work(fence=lease.fence)
@@ -8,35 +8,43 @@ Where the store has an asyncio client of its own (``LockBackend.async_store``: R
 redis-py's asyncio connections, Postgres on psycopg's ``AsyncConnection``), a lock's calls
 run on the event loop through it. Elsewhere (file, object stores, memory) every store call
 runs in a bounded pool of threads (``OFFLOAD_THREADS`` for tries, releases and renewals,
-``WAIT_THREADS`` for waits), never on the event loop. Either way waiting goes in short
-steps: one try at the key, then a wait of at most ``SLICE`` seconds on the store's own push
-(Postgres's queue of waiters, Redis's wake-up list, inotify), then the next try. A
-cancelled waiter therefore lets go within one step, and nothing it was granted meanwhile
-stays held: a try under way when its caller is cancelled runs to its end, and a lease it
-got is released (``revoked``) before the cancel is raised; a place in a store's queue is
-left. A release, once started, likewise ends before a cancel (or several) is raised; a
-cancelled read or renewal lets its call to the store end in the background (on Postgres
-that call runs on the loop's shared lock session). Renewal is an asyncio task. The lease
-and its record are those of a :class:`Lock`, on the same stores; a success that ``once``
-keeps is released as :class:`Lock` does, with its retries, in the pool. One AsyncLock is
-for one task at a time: another task's acquire meanwhile is refused.
+``WAIT_THREADS`` for waits: ``aiotasks.py``), never on the event loop. Either way waiting
+goes in short steps: one try at the key, then a wait of at most ``SLICE`` seconds on the
+store's own push (Postgres's queue of waiters, Redis's wake-up list, inotify), then the
+next try. A cancelled waiter therefore lets go within one step, and nothing it was granted
+meanwhile stays held: a try under way when its caller is cancelled runs to its end, and a
+lease it got is released (``revoked``) before the cancel is raised; a place in a store's
+queue is left. A release, once started, likewise ends before a cancel (or several) is
+raised; a cancelled read or renewal lets its call to the store end in the background (on
+Postgres that call runs on the loop's shared lock session). Renewal is an asyncio task. The
+lease and its record are those of a :class:`Lock`, on the same stores; a success that
+``once`` keeps is released as :class:`Lock` does, with its retries, in the pool. One
+AsyncLock is for one task at a time: another task's acquire meanwhile is refused. Renewal
+holds the AsyncLock weakly: one dropped while held lets go of its lease, as a ``Lock``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
-import os
 import random
-import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 from celery_dlock import metrics, releasing
+from celery_dlock.aiotasks import (
+    OFFLOAD_THREADS,
+    WAIT_THREADS,
+    cancellable,
+    keep,
+    offload,
+    pool,
+    shielded,
+)
 from celery_dlock.backends.base import AsyncStore, LockBackend, Place, remembered, validate_ttl
 from celery_dlock.errors import BackendError, ConfigurationError, DLockError, LockLostError
 from celery_dlock.events import fields
@@ -44,73 +52,14 @@ from celery_dlock.lock import DEFAULT, Lock, _Default, validate_wait
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 from celery_dlock.renewal import report_lost
 
-__all__ = ["OFFLOAD_THREADS", "SLICE", "WAIT_THREADS", "AsyncLock", "alock"]
+__all__ = ["OFFLOAD_THREADS", "SLICE", "WAIT_THREADS", "AsyncLock"]
 
 logger = logging.getLogger("celery_dlock.aio")
 
-#: Threads per process that run the short store calls of every AsyncLock (a try, a
-#: release, a renewal)...
-OFFLOAD_THREADS = 16
-#: ...and those that wait on the store for a busy key, apart: waits that block for up to
-#: ``SLICE`` never hold up a try or a release (more waiters than this queue for a thread).
-WAIT_THREADS = 64
 #: Longest wait on the store in one step: how long a cancelled waiter's thread may linger.
 SLICE = 0.5
 
 T = TypeVar("T")
-_pools: dict[tuple[int, str], concurrent.futures.ThreadPoolExecutor] = {}
-_pools_mutex = threading.Lock()
-_callbacks: set[asyncio.Future[Any]] = set()
-
-
-def _pool(kind: str = "calls") -> concurrent.futures.ThreadPoolExecutor:
-    """This process's offload pool of ``kind`` (``calls`` or ``waits``; a forked child
-    makes its own)."""
-    which = (os.getpid(), kind)
-    pool = _pools.get(which)
-    if pool is None:
-        size = WAIT_THREADS if kind == "waits" else OFFLOAD_THREADS
-        with _pools_mutex:
-            pool = _pools.setdefault(
-                which,
-                concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix=f"dlock-{kind}"),
-            )
-    return pool
-
-
-async def _off(
-    call: Callable[..., T],
-    *args: Any,
-    orphan: Callable[[Any], object] | None = None,
-    pool: str = "calls",
-) -> T:
-    """``call(*args)`` in the offload pool ``pool``. If the awaiting coroutine is cancelled
-    while it runs, what it returns (when not None) is handed to ``orphan``, in the pool."""
-    future = _pool(pool).submit(call, *args)
-    try:
-        return await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
-        if orphan is not None:
-            future.add_done_callback(lambda done: _adopt(done, orphan))
-        raise
-
-
-def _adopt(done: concurrent.futures.Future[Any], orphan: Callable[[Any], object]) -> None:
-    if done.cancelled() or done.exception() is not None:
-        return
-    result = done.result()
-    if result is not None:
-        _pool().submit(orphan, result)  # never on the event loop's thread
-
-
-async def _shielded(call: Awaitable[T]) -> T:
-    """``call`` in a task of its own, which goes on when the awaiting coroutine is cancelled
-    (the cancel is raised at once): a statement on Postgres's lock session, which the loop's
-    leases share, is never cancelled halfway (cancelled twice, psycopg closes the session)."""
-    task = asyncio.ensure_future(call)
-    _callbacks.add(task)  # kept until done: the loop holds tasks only weakly
-    task.add_done_callback(_callbacks.discard)
-    return await asyncio.shield(task)
 
 
 class AsyncLock:
@@ -176,8 +125,8 @@ class AsyncLock:
             BackendError: the store failed.
             ConfigurationError: this AsyncLock is held, or another task is acquiring it.
         """
-        self._claim()
         limit = self._lock.wait if wait is DEFAULT else validate_wait(wait)
+        self._claim()  # after the check: a bad wait leaves the lock free to acquire
         deadline = None if limit is None else time.monotonic() + limit
         self._loop = asyncio.get_running_loop()
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
@@ -186,26 +135,33 @@ class AsyncLock:
                 lease = await self._attempt(place)
                 if lease is not None:
                     place = None  # used up
-                    self._start_renewal()
+                    self._hold()
                     return lease
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise self._lock.busy_error(limit, await self.current())
                 pause = SLICE if remaining is None else min(SLICE, remaining)
-                if self._store is None:  # Lock.wait_once, in the pool
-                    place = await _off(
-                        self._lock.wait_once, pause, place, orphan=_leave, pool="waits"
-                    )
-                elif self._lock.limit == 1:
-                    place = await self._store.wait(self.key, pause, place)
-                else:  # woken by the release of any slot
-                    await self._store.wait_any(self._lock.slots, pause)
+                place = await self.wait_once(pause, place)
         finally:
             self._acquiring = False
-            if place is not None and self._store is not None:
-                place.leave()  # the asyncio client's: left by a task of the loop
-            elif place is not None:
-                _pool().submit(place.leave)
+            self.leave(place)
+
+    async def wait_once(self, timeout: float, place: Place | None = None) -> Place | None:
+        """One wait on the store, of at most ``timeout`` seconds, for the key (``place``, the
+        caller's in its queue, kept: the place returned), or for any of its slots."""
+        if self._store is None:  # Lock.wait_once, in the pool
+            return await offload(self._lock.wait_once, timeout, place, orphan=_leave, kind="waits")
+        if self._lock.limit == 1:
+            return await cancellable(self._store.wait(self.key, timeout, place))
+        # Woken by the release of any slot.
+        return await cancellable(self._store.wait_any(self._lock.slots, timeout))
+
+    def leave(self, place: Place | None) -> None:
+        """Leave ``place``, from :meth:`wait_once`, without waiting."""
+        if place is not None and self._store is not None:
+            place.leave()  # the asyncio client's: left by a task of the loop
+        elif place is not None:
+            pool().submit(place.leave)
 
     def _claim(self) -> None:
         """Mark this AsyncLock as being acquired, checked and marked in one step of the
@@ -217,13 +173,14 @@ class AsyncLock:
                 f"lock {self.key!r}: another task is acquiring this AsyncLock (one task at a time)"
             )
         self._acquiring = True
+        self._lost = False  # of the lease before, if any: not of the one to come
 
     async def _attempt(self, place: Place | None) -> Lease | None:
         """One try at the key (each slot, with a ``limit``), through the store's asyncio
         client or the pool. A try under way when the caller is cancelled runs to its end,
         and a lease it got is released (``revoked``) before the cancel is raised."""
         if self._store is None:
-            submitted = _pool().submit(self._lock.attempt, place)
+            submitted = pool().submit(self._lock.attempt, place)
             trying = self._through(asyncio.wrap_future(submitted), stop=submitted.cancel)
         else:
             trying = self._through(self._try(self._store, place))
@@ -276,16 +233,17 @@ class AsyncLock:
         metrics.store_call(self.backend.name, "acquire", started)
         return lease
 
-    async def attempt(self) -> Lease | None:
-        """One try, without waiting: the lease, now held, or None."""
+    async def attempt(self, place: Place | None = None) -> Lease | None:
+        """One try, without waiting: the lease, now held, or None. ``place``: the caller's
+        in the store's queue of the key's waiters (from :meth:`wait_once`), used up or left."""
         self._claim()
         self._loop = asyncio.get_running_loop()
         try:
-            lease = await self._attempt(None)
+            lease = await self._attempt(place)
         finally:
             self._acquiring = False
         if lease is not None:
-            self._start_renewal()
+            self._hold()
         return lease
 
     async def renew(self, ttl: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
@@ -295,12 +253,12 @@ class AsyncLock:
             LockLostError: the lease is no longer ours.
         """
         if self._store is None:
-            return await _off(self._lock.renew, ttl)
+            return await offload(self._lock.renew, ttl)
         lease = self.lease
         if lease is None:
             raise ConfigurationError(f"lock {self.key!r} is not held by this AsyncLock")
         new_ttl = self._lock.ttl if ttl is DEFAULT else validate_ttl(ttl)
-        return self._lock.renewed(await _shielded(self._store.renew(lease, new_ttl)))
+        return self._lock.renewed(await shielded(self._store.renew(lease, new_ttl)))
 
     async def release(
         self,
@@ -326,7 +284,7 @@ class AsyncLock:
             or remembered(outcome, result, lease.holder.task_name) is not None
         ):
             # A success that ``once`` keeps is stored with retries: Lock's, in the pool.
-            return await _off(self._lock.release, outcome, problem, details, result)
+            return await offload(self._lock.release, outcome, problem, details, result)
         ending = self._lock.ending(outcome, problem, details, result)
         lease = ending.lease
         started = time.perf_counter()
@@ -338,12 +296,15 @@ class AsyncLock:
             metrics.store_error(self.backend.name, "release")
             releasing.unsettled.add(self.backend, ending)  # tried again at a later release
             raise
+        except asyncio.CancelledError:  # by the loop's end only (see _through): as above
+            releasing.unsettled.add(self.backend, ending)
+            raise
         metrics.store_call(self.backend.name, "release", started)
         if releasing.unsettled.items:
-            await _off(releasing.unsettled.settle, self.backend)
+            await offload(releasing.unsettled.settle, self.backend)
         if record is not None:
             return releasing.settle(self.backend, ending, record)
-        return await _off(releasing.settle, self.backend, ending, None)  # lost: recorded so
+        return await offload(releasing.settle, self.backend, ending, None)  # lost: recorded so
 
     async def _revoke(self, lease: Lease) -> None:
         """Release ``lease``, got by an acquire whose coroutine was cancelled."""
@@ -359,75 +320,94 @@ class AsyncLock:
     async def current(self) -> Lease | None:
         """The lease on this key now, whoever holds it, or None."""
         if self._store is None or self._lock.limit > 1:
-            return await _off(self._lock.current)
-        return await _shielded(self._store.get(self.key))
+            return await offload(self._lock.current)
+        return await shielded(self._store.get(self.key))
 
     async def holders(self) -> list[Lease]:
         """Every lease on this key now (on each slot, with a ``limit``)."""
-        return await _off(self._lock.holders)
+        return await offload(self._lock.holders)
 
     # -- renewal and loss ------------------------------------------------------------------
 
-    def _start_renewal(self) -> None:
+    def _hold(self) -> None:
+        """A lease was got: renewed by a task that holds this AsyncLock only weakly, so that
+        one dropped while it holds is collected and its lease released (``abandoned``, by
+        its :class:`Lock`), not renewed for as long as the loop runs."""
         if self.renew_in_background and self._lock.ttl is not None:
             name = f"dlock-renew:{self.key}"
-            self._renewal = asyncio.get_running_loop().create_task(self._renew(), name=name)
+            renewing = _renewing(weakref.ref(self), self._lock.ttl)
+            self._renewal = asyncio.get_running_loop().create_task(renewing, name=name)
 
-    async def _renew(self) -> None:
+    async def _renew_once(self, renewed_at: float) -> float | None:
+        """One background renewal: when the lease was last renewed (now, or still
+        ``renewed_at`` after a failure within the ttl), or None once it is lost."""
         ttl = self._lock.ttl
         assert ttl is not None
-        renewed_at = time.monotonic()
-        while True:
-            await asyncio.sleep(ttl / 3)
-            try:
-                await self._through(self.renew())  # a cancel waits for it: see _stop_renewal
-            except LockLostError:
-                self._lose()
-                return
-            except DLockError as exc:
-                lease = self.lease
-                extra = fields("renew_failed", lease, backend=self.backend.url)
-                if time.monotonic() - renewed_at < ttl:
-                    logger.warning(
-                        "renewal of %s failed, will retry: %s", self.key, exc, extra=extra
-                    )
-                    continue
-                logger.error(
-                    "lease on %s expired while its store failed: %s", self.key, exc, extra=extra
-                )
-                self._lose()
-                return
-            renewed_at = time.monotonic()
+        try:
+            await self._through(self.renew())  # a cancel waits for it: see _stop_renewal
+        except LockLostError:
+            self._lose()
+            return None
+        except DLockError as exc:
+            extra = fields("renew_failed", self.lease, backend=self.backend.url)
+            if time.monotonic() - renewed_at < ttl:
+                logger.warning("renewal of %s failed, will retry: %s", self.key, exc, extra=extra)
+                return renewed_at
+            logger.error(
+                "lease on %s expired while its store failed: %s", self.key, exc, extra=extra
+            )
+            self._lose()
+            return None
+        return time.monotonic()
 
     async def _stop_renewal(self) -> None:
         """Stop renewing, and let a renewal under way finish (it ends with the renewal
-        task), so that none races the release."""
+        task), so that none races the release. A renewal task of another loop (the lease
+        was taken on a loop since closed) cannot be awaited here: it is over, or told to stop."""
         task, self._renewal = self._renewal, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
+        if task is None:
+            return
+        loop = task.get_loop()
+        if loop is not asyncio.get_running_loop():
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(task.cancel)
+            return
+        task.cancel()
+        await asyncio.wait([task])
 
     def _lose(self) -> None:
-        self._lost = True
+        """Renewal found the lease gone: reported, unless its session's end was already."""
         lease = self.lease
-        if lease is not None:
-            report_lost(lease, self._call_on_lost)
+        if lease is None or self.lost:
+            return
+        self._lost = True
+        report_lost(lease, self._call_on_lost, backend=self.backend.url)
 
     def _lost_elsewhere(self, lease: Lease) -> None:
-        """From the store's watcher thread: the session that kept the lease alive ended."""
+        """From the store's watcher: the session that kept ``lease`` alive ended (ignored
+        when renewal reported it already, or for a lease this lock no longer holds)."""
+        current = self.lease
+        if self._lost or current is None or current.token != lease.token:
+            return
         self._lost = True
         loop = self._loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._call_on_lost, lease)
 
     def _call_on_lost(self, lease: Lease) -> None:
+        """``on_lost(lease)``: an error it raises, or its coroutine raises, is logged."""
         if self.on_lost is None:
             return
-        outcome = self.on_lost(lease)
+        try:
+            outcome = self.on_lost(lease)
+        except Exception:
+            extra = fields("on_lost_failed", lease, backend=self.backend.url)
+            logger.exception("on_lost callback for %s failed", lease.key, extra=extra)
+            return
         if inspect.isawaitable(outcome):
             task = asyncio.ensure_future(outcome)
-            _callbacks.add(task)  # kept until done: the loop holds tasks only weakly
-            task.add_done_callback(_callbacks.discard)
+            keep(task)
+            task.add_done_callback(lambda done: _report_failure(done, lease, self.backend.url))
 
     # -- async with -----------------------------------------------------------------------
 
@@ -461,20 +441,33 @@ def _leave(place: Place) -> None:
     place.leave()
 
 
-def alock(
-    key: str,
-    backend: LockBackend | str,
-    ttl: float | None = None,
-    wait: float | None = 0,
-    **options: Any,
-) -> AsyncLock:
-    """An :class:`AsyncLock` to use in an ``async with`` block, which gives the lease::
+async def _renewing(ref: weakref.ref[AsyncLock], ttl: float) -> None:
+    """Renew the lease of the AsyncLock ``ref`` names every ``ttl / 3``, until it is lost,
+    the renewal is stopped, or the AsyncLock is collected. Cancelled by another than the
+    release (the event loop ending with the lease held), it says that the lease will expire."""
+    renewed_at: float | None = time.monotonic()
+    try:
+        while renewed_at is not None:
+            await asyncio.sleep(ttl / 3)
+            lock = ref()
+            if lock is None or lock.lease is None:
+                return
+            renewed_at = await lock._renew_once(renewed_at)
+            del lock  # held only while it renews
+    except asyncio.CancelledError:
+        lock = ref()
+        if lock is not None and lock._renewal is asyncio.current_task() and lock.lease:
+            extra = fields("renewal_cancelled", lock.lease, backend=lock.backend.url)
+            logger.warning(
+                "renewal of %s was cancelled with the lease held (its event loop ending?): "
+                "the lease expires within %.1f s unless released",
+                lock.key, ttl, extra=extra,
+            )  # fmt: skip
+        raise
 
-        async with celery_dlock.alock("job:123", backend=url, ttl=30, wait=5) as lease:
-            await work(fence=lease.fence)
 
-    The block's end is recorded as ``succeeded``; ``failed`` with the exception's type,
-    message and traceback; ``revoked`` when the coroutine was cancelled. If the lease was
-    lost meanwhile, leaving the block raises :class:`LockLostError` (unless it raised).
-    """
-    return AsyncLock(backend, key, ttl, wait, **options)
+def _report_failure(done: asyncio.Future[Any], lease: Lease, backend: str) -> None:
+    """Log the error an ``on_lost`` coroutine ended with."""
+    if not done.cancelled() and (error := done.exception()) is not None:
+        extra = fields("on_lost_failed", lease, backend=backend)
+        logger.error("on_lost callback for %s failed: %r", lease.key, error, extra=extra)

@@ -57,8 +57,20 @@ def validate_key(key: str) -> str:
     return key
 
 
+#: Between a lock key and the task's name in the key of a dedupe mark:
+#: ``<lock key>#queued:<task name>`` (``celery_dlock.celery.dedupe``).
+MARK = "#queued:"
+
+
+def is_mark(key: str, task_name: str | None) -> bool:
+    """Whether ``key``, held for ``task_name``, is a dedupe mark's: not a body lease, nor
+    the guard a revoker holds beside a mark (``<mark key>#revoking``)."""
+    return task_name is not None and key.endswith(MARK + task_name)
+
+
 def canonical(value: Any) -> str:
-    """The canonical text of a key value; equal values give equal text.
+    """The canonical text of a key value; equal values give equal text (``42``,
+    ``42.0`` and ``Decimal("42.00")`` all give ``42``).
 
     Accepted: str, int, bool, None, float, UUID, Decimal, datetime, date, time, Enum (its
     value). Anything else raises :class:`LockKeyError`: a default ``repr`` holds a memory
@@ -79,8 +91,8 @@ def canonical(value: Any) -> str:
         return value
     if isinstance(value, int):
         return str(int(value))
-    if isinstance(value, float):
-        return repr(value)
+    if isinstance(value, float):  # 42.0 as 42 and 1e-07 as 0.0000001: as int and Decimal
+        return _canonical_decimal(Decimal(repr(value)))
     if isinstance(value, Decimal):
         return _canonical_decimal(value)
     if isinstance(value, uuid.UUID):

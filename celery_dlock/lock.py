@@ -288,10 +288,10 @@ class Lock:
         abandon(lease.token, "was garbage-collected while held")
 
     def _session_lost(self, lease: Lease) -> None:
-        """From the backend's watcher: the session that kept ``lease`` alive ended."""
+        """From the backend's watcher: ``lease``'s session ended, or a forced release ended it."""
         self._session_ended = True
-        where = mask_url(self.backend.url)
-        report_lost(lease, self.on_lost, f" with its holder's session [{where}]")
+        why = f" (its session ended, or it was ended by its token) [{mask_url(self.backend.url)}]"
+        report_lost(lease, self.on_lost, why, backend=self.backend.url)
 
     def renew(self, ttl: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
         """Extend the lease to ``ttl`` seconds from now (default: the lock's ``ttl``).

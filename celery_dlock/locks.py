@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import random
-import time
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
 from celery_dlock.backends.base import LockBackend, Place
-from celery_dlock.errors import BackendError, ConfigurationError, LockLostError
-from celery_dlock.keys import validate_key
-from celery_dlock.lock import DEFAULT, POLL, Lock, _Default, validate_wait
-from celery_dlock.process import shared_backend
+from celery_dlock.errors import BackendError, ConfigurationError
+from celery_dlock.keyset import KeySet, lost_lease
+from celery_dlock.lock import DEFAULT, POLL, Lock, _Default
 from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["Locks", "lock", "lost_lease"]
 
 
-class Locks:
+class Locks(KeySet[Lock]):
     """A lock on several keys of one backend, all of them or none.
 
     Args:
@@ -40,6 +38,9 @@ class Locks:
         LockKeyError: a key is empty, too long or has control characters.
         ConfigurationError: no key, or a bad ``ttl`` or ``wait``.
     """
+
+    _kind = "Locks"
+    _per_key = Lock
 
     def __init__(
         self,
@@ -53,45 +54,10 @@ class Locks:
         on_lost: Callable[[Lease], None] | None = None,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
-        self.backend = shared_backend(backend) if isinstance(backend, str) else backend
-        self.keys = tuple(sorted({validate_key(key) for key in keys}))
-        if not self.keys:
-            raise ConfigurationError("Locks needs at least one key")
-        #: The keys joined, for messages and logs.
-        self.key = "+".join(self.keys)
-        self.wait = validate_wait(wait)
-        self.holder = holder
-        self.locks = tuple(
-            Lock(
-                self.backend,
-                key,
-                ttl,
-                0,
-                holder=holder,
-                renew=renew,
-                on_lost=on_lost,
-                metadata=metadata,
-            )
-            for key in self.keys
+        super().__init__(
+            backend, keys, ttl, wait, holder=holder, renew=renew, on_lost=on_lost, metadata=metadata
         )
-        #: The keys the last try took and let go (each recorded then) for a busy one.
-        self._let_go_keys: frozenset[str] = frozenset()
-
-    @property
-    def leases(self) -> list[Lease]:
-        """The leases held now, one per key in key order (empty when not held)."""
-        leases = [lock.lease for lock in self.locks]
-        return [lease for lease in leases if lease is not None]
-
-    @property
-    def lease(self) -> Lease | None:
-        """The first key's lease, or None."""
-        return self.locks[0].lease
-
-    @property
-    def lost(self) -> bool:
-        """True once the lease of any key was lost."""
-        return any(lock.lost for lock in self.locks)
+        self.holder = holder
 
     def acquire(self, wait: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> list[Lease]:
         """Take every key or none; wait up to ``wait`` seconds (default: the Locks' own).
@@ -103,47 +69,35 @@ class Locks:
         """
         if self.lease is not None:
             raise ConfigurationError(f"locks {self.key!r} are already held by this object")
-        limit = self.wait if wait is DEFAULT else validate_wait(wait)
-        deadline = None if limit is None else time.monotonic() + limit
+        limit, deadline = self._begin(wait)
         # The place in the store's queue of the busy key's waiters, kept until that key is
         # tried again: left before the try, a waiter that had just released the key would
         # let the next waiter have it, and that one the next (Postgres: a second's stall).
         place: Place | None = None
-        first: Lock | None = None
         try:
             while True:
-                busy, place, first = self._try_all(place, first)
+                busy, place = self._try_all(place)
                 if busy is None:
                     return self.leases
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                pause = self._pause(deadline, POLL * random.uniform(0.5, 1.0))
+                if pause is None:
                     raise busy.busy_error(limit)
-                pause = POLL * random.uniform(0.5, 1.0)
-                pause = pause if remaining is None else min(pause, remaining)
                 place = self.backend.wait(busy.key, pause, place)  # another key's is left
         finally:
             if place is not None:
                 place.leave()
 
-    def _try_all(
-        self, place: Place | None, first: Lock | None = None
-    ) -> tuple[Lock | None, Place | None, Lock | None]:
-        """One try at every key in order (``first`` first), ``place`` given to its key's
-        try: the busy Lock (with nothing held), or None; the place if it is still the
-        caller's; and the key to try first next time."""
+    def _try_all(self, place: Place | None) -> tuple[Lock | None, Place | None]:
+        """One try at every key, in the order of the next try, ``place`` given to its key's
+        try: the busy Lock (with nothing held), or None; and the place if it is still the
+        caller's."""
         taken: list[Lock] = []
-        # Trying the key found busy first takes nothing while it stays busy: the keys
-        # before it were taken and let go (a record, a fence) at every wake-up otherwise.
-        order = self.locks if first is None else (first, *(k for k in self.locks if k is not first))
         try:
-            for lock in order:
+            for lock in self._order():
                 mine = place if place is not None and place.key == lock.key else None
                 if lock.attempt(mine) is None:
-                    why = f"{lock.key} of the same set was busy: released, to try the set again"
-                    self._let_go(taken, Outcome.SKIPPED, "locked", why)
-                    self._let_go_keys = frozenset(one.key for one in taken)
-                    # Out of order and then busy: sorted next time (see the module's doc).
-                    return lock, place, None if first is not None and taken else lock
+                    self._let_go(taken, *self._busy(lock, taken))
+                    return lock, place
                 if mine is not None:
                     place = None  # used up by the key it queued for
                 taken.append(lock)
@@ -151,7 +105,7 @@ class Locks:
             problem, details = describe_exception(exc)
             self._let_go(taken, Outcome.FAILED, problem, details)
             raise
-        return None, place, None
+        return None, place
 
     @staticmethod
     def _let_go(taken: list[Lock], outcome: Outcome, problem: str, details: str | None) -> None:
@@ -175,9 +129,7 @@ class Locks:
         Raises:
             BackendError: the store failed for a key (the others are released all the same).
         """
-        ended = self._release_each(outcome, problem, details, result)
-        kept = [record for _, record in ended if record is not None]
-        return kept if len(kept) == len(ended) else None
+        return self._records(self._release_each(outcome, problem, details, result))
 
     def _release_each(
         self, outcome: Outcome, problem: str | None, details: str | None, result: Any
@@ -234,15 +186,7 @@ class Locks:
         if exc is not None:
             self.release(Outcome.FAILED, *describe_exception(exc))
             return
-        # The error names the key whose lease was lost, not the set's first key.
-        ended = self._release_each(Outcome.SUCCEEDED, None, None, None)
-        lost = [lease for lease, record in ended if record is None]
-        if lost:
-            raise LockLostError(lost[0].key, lost[0].fence, "release")
-
-    def __repr__(self) -> str:
-        state = "held" if self.lease is not None else "free"
-        return f"<Locks {self.key!r} {state} on {self.backend!r}>"
+        self._raise_if_lost(self._release_each(Outcome.SUCCEEDED, None, None, None))
 
 
 def lock(
@@ -271,18 +215,3 @@ def lock(
             "several keys are taken all or none: a limit (slots) goes with one key only"
         )
     return Locks(backend, key, ttl, wait, **options)
-
-
-def lost_lease(lock: Lock | Locks) -> Lease:
-    """The lease ``lock`` lost: of a set, the first key's (in key order) that was lost, else
-    its first lease; of a :class:`Lock`, its lease. For the error that names the loss.
-
-    Raises:
-        ConfigurationError: ``lock`` holds nothing.
-    """
-    held = lock.locks if isinstance(lock, Locks) else (lock,)
-    found = [one.lease for one in held if one.lease is not None]
-    lost = [one.lease for one in held if one.lost and one.lease is not None]
-    if not found:
-        raise ConfigurationError(f"lock {lock.key!r} is not held by this object")
-    return (lost or found)[0]

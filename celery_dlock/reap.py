@@ -68,7 +68,9 @@ def reap(
                     record.fence,
                     record.lease.holder.describe(),
                     record.outcome,
-                    extra=fields("reaped", record.lease, outcome=record.outcome),
+                    extra=fields(
+                        "reaped", record.lease, outcome=record.outcome, backend=backend.url
+                    ),
                 )
             if len(records) < batch:
                 break

@@ -18,6 +18,8 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any
 
+from celery_dlock.tokens import new_token
+
 __all__ = [
     "DETAILS_LIMIT",
     "METADATA_LIMIT",
@@ -58,11 +60,6 @@ class Outcome(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def new_token() -> str:
-    """A fresh random token: 128 bits, hex."""
-    return os.urandom(16).hex()
 
 
 @lru_cache(maxsize=1)

@@ -171,6 +171,14 @@ def test_canonical_text(value: Any, text: str) -> None:
 
 def test_equal_values_give_equal_keys() -> None:
     assert canonical(Decimal("2.0")) == canonical(Decimal("2"))
+    # A JSON client sends 42.0 where another sends 42: the same order, the same key.
+    assert canonical(42.0) == canonical(42) == canonical(Decimal("42.00")) == "42"
+    assert canonical(-0.0) == canonical(0) == "0"
+    assert canonical(1e20) == canonical(10**20) == canonical(Decimal("1E+20"))
+    assert canonical(1e-7) == canonical(Decimal("1E-7")) == "0.0000001"
+    assert canonical(0.1) == canonical(Decimal("0.1")) == "0.1"  # the float's shortest text
+    assert canonical(float("nan")) == canonical(Decimal("NaN")) == "NaN"
+    assert canonical(float("-inf")) == canonical(Decimal("-Infinity")) == "-Infinity"
     paris = dt.timezone(dt.timedelta(hours=1))
     same_instant = dt.datetime(2026, 1, 1, 13, tzinfo=paris)
     assert canonical(same_instant) == canonical(dt.datetime(2026, 1, 1, 12, tzinfo=dt.timezone.utc))

@@ -171,7 +171,8 @@ def test_background_renewal_reports_a_lost_lease() -> None:
     the_lock = Lock(backend, "job:gone", ttl=0.3, on_lost=lost.append)
     lease = the_lock.acquire()
     force_release(backend, "job:gone", "operator")
-    eventually(lambda: the_lock.lost, "loss noticed")
+    # The renewer sets ``lost`` first, then calls on_lost: wait for both.
+    eventually(lambda: the_lock.lost and lost, "loss noticed and reported")
     assert [item.token for item in lost] == [lease.token]
     assert the_lock.release() is None
 

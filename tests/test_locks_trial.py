@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +17,10 @@ import celery_dlock
 from celery_dlock import ConfigurationError, Lock, LockLostError, LockNotAcquiredError, Outcome
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.locks import Locks, lost_lease
-from tests.backends.conftest import STORES
+from tests.backends import conftest
 from tests.support import eventually, force_release
 
-
-@pytest.fixture(params=["file", "memory", "postgres", "redis"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LockBackend]:
-    with STORES[request.param].open_store(tmp_path, request) as case:
-        try:
-            yield case.backend
-        finally:
-            case.backend.close()
+backend = conftest.lock_store  # file, memory, Postgres, Redis
 
 
 def keys(*names: str) -> list[str]:
@@ -172,10 +164,6 @@ def test_releasing_a_key_held_in_slots_names_its_slots(tmp_path: Path) -> None:
         pool.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="aio.py: alock takes one key (LockKeyError for a list): no all-or-none for asyncio",
-)
 def test_alock_of_several_keys_takes_all_or_none(backend: LockBackend) -> None:
     """``lock([...])`` takes several keys, all or none; its asyncio counterpart ``alock``
     should too (a transfer in an async service), with what a cancelled acquire leaves
@@ -183,8 +171,8 @@ def test_alock_of_several_keys_takes_all_or_none(backend: LockBackend) -> None:
     first, second = sorted(keys("a", "b"))
 
     async def transfer() -> list[str]:
-        async with celery_dlock.alock([second, first], backend) as leases:  # type: ignore[arg-type]
-            return [lease.key for lease in leases]  # type: ignore[attr-defined]
+        async with celery_dlock.alock([second, first], backend) as leases:
+            return [lease.key for lease in leases]
 
     assert asyncio.run(transfer()) == [first, second]
     assert outcomes(backend, first) == outcomes(backend, second) == [Outcome.SUCCEEDED]

@@ -67,7 +67,7 @@ def test_a_failing_store_and_a_lost_lease_are_counted(registry: Any) -> None:
     lease = Lock(backend_from_url("memory://metrics-lost"), "job:x", holder=lease_holder)
     held = lease.acquire()
     lost_before = sample(registry, "dlock_leases_lost_total", task="t.lost")
-    report_lost(held, None, " in a test")
+    report_lost(held, None, " in a test", backend="memory://")
     assert sample(registry, "dlock_leases_lost_total", task="t.lost") == lost_before + 1
     lease.release()
 

@@ -72,8 +72,11 @@ def torture(tmp_path: Path, *args: str, module: str = "bench.torture") -> tuple[
 #: its faults last, since a killed or paused holder's key stays held for its ttl (Redis made
 #: 89-472 in that time on the machine of 2026-11-26, 4,152 in as long without faults). Short
 #: of them still, the store stopped granting.
+# Redis grants nothing for restart_delay after each of its two restarts (wiped, and now on
+# its AOF too): under a loaded CI, runs of the code before that change counted 465-530 and
+# after it 393-537 (3 at once on 2 cores), so it gets pgbouncer's floor.
 ENOUGH = {
-    "file": 500, "postgres": 500, "pgbouncer": 300, "redis": 500, "redis-cluster": 500,
+    "file": 500, "postgres": 500, "pgbouncer": 300, "redis": 300, "redis-cluster": 500,
     "s3": 100, "gcs": 100,
 }  # fmt: skip
 

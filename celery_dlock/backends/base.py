@@ -98,6 +98,12 @@ def hand_over_ttl(ttl: float | None) -> float:
     return seconds
 
 
+def handed_expiry(current: float | None, proposed: float) -> float:
+    """The expiry of a lease handed over: ``proposed``, or its ``current`` one if later (a
+    lease without one gets ``proposed``). See :meth:`LockBackend.hand_over`."""
+    return proposed if current is None else max(current, proposed)
+
+
 @dataclass(frozen=True, slots=True)
 class Check:
     """One finding of ``diagnose()``: what was checked, whether it is fine, and the detail."""
@@ -256,6 +262,7 @@ class LockBackend(ABC):
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         """Extend ``lease`` to ``ttl`` seconds from now if it is still ours, else None."""
 
+    @abstractmethod
     def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
         """Keep ``lease`` alive by its ``ttl`` alone from now on, ``ttl`` seconds from now:
         no longer tied to this process or its lock session, it outlives both (a dedupe mark
@@ -263,9 +270,11 @@ class LockBackend(ABC):
         released by its token as before, the janitor clears it only once it expired, and a
         waiter polls it. None if it is not ours any more.
 
-        This default is :meth:`renew`: right for stores whose only liveness is expiry.
+        It never shortens the lease: an expiry later than ``ttl`` from now is kept (a
+        worker that took a dedupe mark's message lengthens the mark to ``dedupe_ttl``,
+        sometimes before the producer hands the mark over for the message's shorter
+        ``expires``, which must not undo it). :meth:`renew` shortens.
         """
-        return self.renew(lease, hand_over_ttl(ttl))
 
     @abstractmethod
     def get(self, key: str) -> Lease | None:

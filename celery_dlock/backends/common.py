@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+#: This process's id, set again first thing in a forked child (``_after_fork_in_child``):
+#: ``ProcessLocal.get`` compares it rather than making a ``getpid`` system call each time.
+_pid = os.getpid()
 
 
 class ProcessLocal(Generic[T]):
@@ -65,6 +68,8 @@ class ProcessLocal(Generic[T]):
 
     @classmethod
     def _after_fork_in_child(cls) -> None:
+        global _pid
+        _pid = os.getpid()
         for local in list(cls._forgetting):
             local._mutex = threading.Lock()  # another thread may have held it at the fork
             value = local._value
@@ -73,19 +78,19 @@ class ProcessLocal(Generic[T]):
 
     def get(self) -> T:
         value = self._value
-        if value is not None and self._pid == os.getpid():
+        if value is not None and self._pid == _pid:
             return value
         with self._mutex:
-            if self._value is None or self._pid != os.getpid():
+            if self._value is None or self._pid != _pid:
                 self._value = self._factory()
-                self._pid = os.getpid()
+                self._pid = _pid
             return self._value
 
     def reset(self) -> None:
         """Close this process's object, if any; the next ``get()`` makes a new one."""
         with self._mutex:
             value, self._value = self._value, None
-            if value is not None and self._pid == os.getpid() and self._close is not None:
+            if value is not None and self._pid == _pid and self._close is not None:
                 self._close(value)
 
 

@@ -29,6 +29,8 @@ from celery_dlock.backends.base import (
     LockBackend,
     Place,
     WallClock,
+    hand_over_ttl,
+    handed_expiry,
     remembered,
     success_task,
     validate_ttl,
@@ -131,18 +133,27 @@ class MemoryBackend(LockBackend):
             self._append(record)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
-        ttl = validate_ttl(ttl)
+        return self._prolong(lease, validate_ttl(ttl), longer=False)
+
+    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+        """:meth:`renew` that never shortens: leases here live by their ttl alone."""
+        return self._prolong(lease, hand_over_ttl(ttl), longer=True)
+
+    def _prolong(self, lease: Lease, ttl: float | None, longer: bool) -> Lease | None:
         with self._changed:
             current = self._current(lease)
             if current is None:
                 return None
+            expires_at = expiry(self._clock(), ttl)
+            if longer and expires_at is not None:
+                expires_at = handed_expiry(current.expires_at, expires_at)
             renewed = Lease(
                 current.key,
                 current.token,
                 current.fence,
                 current.holder,
                 current.acquired_at,
-                expiry(self._clock(), ttl),
+                expires_at,
             )
             self._leases[lease.key] = renewed
             return renewed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, NoReturn
 
 from celery.exceptions import Retry
 
@@ -15,9 +15,18 @@ from celery_dlock.errors import BackendError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.locks import Locks
-from celery_dlock.records import Lease, Outcome
+from celery_dlock.records import Lease, Outcome, Record, describe_exception
 
-__all__ = ["BUSY_HEADER", "RETRY_HEADER", "apply_policy", "current_lease", "header", "requeue"]
+__all__ = [
+    "BUSY_HEADER",
+    "RETRY_HEADER",
+    "apply_policy",
+    "current_lease",
+    "header",
+    "kept_success",
+    "requeue",
+    "store_failed",
+]
 
 logger = logging.getLogger("celery_dlock.task")
 
@@ -83,6 +92,32 @@ def requeue(
         level, "%s[%s] re-queued in %.1f s: %s", task.name, request.id, delay, why, extra=extra
     )
     raise Retry(exc=exc, when=delay, sig=signature)
+
+
+def store_failed(task: Any, exc: BackendError) -> NoReturn:
+    """The lock store failed before the body ran: re-queue this request with the busy
+    key's backoff, not limited by ``lock_retry_max`` (the work is kept); logged at ERROR.
+    An eager run or a direct call raises ``exc``."""
+    attempt = int(header(task.request, BUSY_HEADER) or 0)
+    requeue(task, exc, f"the lock store failed: {exc}", attempt, logging.ERROR)
+    raise exc  # not reached: requeue raises Retry, or exc where there is no queue
+
+
+def kept_success(task: Any, lock: Lock) -> Record | None:
+    """The success a ``once`` task replays on ``lock``'s key, or None. When the store fails
+    to say, the body has not run: the lease is released as ``retried`` and the request
+    re-queued as for any store failure (:func:`store_failed`), never failed nor run."""
+    try:
+        return lock.last_success(task.name)
+    except BackendError as exc:
+        failure = exc
+    try:
+        lock.release(Outcome.RETRIED, *describe_exception(failure))
+    except BackendError:
+        logger.exception(  # a failed release is tried again at this process's next one
+            "could not release %s", lock.key, extra=fields("release_failed", key=lock.key)
+        )
+    store_failed(task, failure)
 
 
 def header(request: Any, name: str) -> Any:

@@ -17,6 +17,9 @@ worker releases it by that lease's token, never by key alone:
 - ``until_finished``: when the body ends, with the body's outcome; a retry (``self.retry``,
   or a re-queue for a busy body lock) is the same logical task and keeps the mark.
 
+A re-sent message's mark lives ``dedupe_ttl`` past the re-send's countdown too; a message
+put back by ``Reject(requeue=True)`` (``acks_late``) keeps its mark: it runs again.
+
 A message that is part of a workflow (it carries the rest of a chain, callbacks, or belongs
 to a group or chord), or continues one (a chain's next step, a callback, a ``Task.replace``,
 which Celery sends under an id frozen in advance), is always sent, without a mark: not
@@ -26,12 +29,15 @@ under an id that never runs. The body lock still guards it.
 A message revoked before it ran releases its mark at once: a plain revoke from the worker
 that gets the broadcast (:mod:`celery_dlock.celery.revoking`), or
 ``task.revoke_queued(*args, **kwargs)`` by the arguments (``revoked``), neither of which
-touches the mark of a running task; an expired message releases it when a worker discards
-it (``expired``), and the mark of a message with ``expires`` ends with that expiry while it
-is queued (RabbitMQ drops an expired message itself: no worker sees it); a
-child that died mid-task releases it from the parent (``disconnected``); a send that fails
-releases it before ``apply_async`` raises (``failed``). ``send_task`` by name does not pass
-through the task class, so it is not guarded at enqueue; the body lock still guards the run.
+touches the mark of a running task. A worker starting the message at that very moment
+settles it with the revoker through the store (:func:`revoke_queued`): either the mark is
+released ``revoked`` and the body does not run (the task ends ``REVOKED``), or the body runs
+and the mark is left alone. An expired message releases it when a worker discards it
+(``expired``), and the mark of a message with ``expires`` ends with that expiry while it is
+queued (RabbitMQ drops an expired message itself: no worker sees it); a child that died
+mid-task releases it from the parent (``disconnected``); a send that fails releases it
+before ``apply_async`` raises (``failed``). ``send_task`` by name does not pass through the
+task class, so it is not guarded at enqueue; the body lock still guards the run.
 """
 
 from __future__ import annotations
@@ -39,17 +45,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
-from celery.exceptions import Retry
+from celery.exceptions import Reject, Retry
 from celery.utils import uuid
 
+from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.outcomes import outcome_of
 from celery_dlock.celery.policies import call_policy
+from celery_dlock.celery.revoking import (
+    RevokedBeforeStart,
+    body_leases,
+    end_revoked,
+    may_start,
+    release_mark,
+    revoke_mark,
+)
 from celery_dlock.celery.settings import settings
-from celery_dlock.errors import BackendError, DuplicateTaskError
+from celery_dlock.errors import BackendError, DLockError, DuplicateTaskError
 from celery_dlock.events import fields
+from celery_dlock.keys import MARK
 from celery_dlock.lock import Lock
 from celery_dlock.process import shared_backend
 from celery_dlock.records import Holder, Lease, Outcome, Record
@@ -58,6 +74,7 @@ __all__ = [
     "DEDUPE_HEADER",
     "MODES",
     "ON_DUPLICATE",
+    "body_leases",
     "end_mark",
     "end_mark_of_attempt",
     "guards",
@@ -89,7 +106,7 @@ EXPIRY_GRACE = 1.0
 def mark_key(lock_key: str, task_name: str) -> str:
     """The key of the mark of ``task_name``'s messages for ``lock_key``: per task, so that a
     queued ``charge`` does not hold back a ``refund`` of the same order."""
-    return f"{lock_key}#queued:{task_name}"
+    return f"{lock_key}{MARK}{task_name}"
 
 
 def send(
@@ -146,12 +163,35 @@ def _hand_over(mark: Lock, lease: Lease, ttl: float) -> None:
         )
         return
     if handed is None:
-        extra = fields("hand_over_lost", lease)
-        logger.warning(
-            "the dedupe mark %s ended before its message was sent; a duplicate may be sent",
-            lease.key,
-            extra=extra,
-        )
+        _ended_before_hand_over(mark.backend, lease)
+
+
+#: How a mark that ended before its hand-over ended when it is no sign of trouble: a worker
+#: took the message first (and started or finished it), a revoke, an operator.
+_TAKEN = frozenset(Outcome) - {Outcome.EXPIRED, Outcome.DISCONNECTED, Outcome.LOST}
+
+
+def _ended_before_hand_over(backend: LockBackend, lease: Lease) -> None:
+    """Log a mark that ended before its producer could hand it over: a warning if it expired
+    or its store lost it while the message was being sent (a duplicate may be sent before
+    the message runs); a debug line if a worker had taken the message and released it."""
+    try:
+        found = backend.history(key=lease.key, limit=20)
+    except BackendError:
+        found = []
+    ended = next((r for r in found if r.lease.token == lease.token), None)
+    extra = fields("hand_over_lost", lease)
+    if ended is not None and ended.outcome in _TAKEN:
+        logger.debug(
+            "the dedupe mark %s was %s before its producer handed it over: %s",
+            lease.key, ended.outcome.value, ended.details, extra=extra,
+        )  # fmt: skip
+        return
+    logger.warning(
+        "the dedupe mark %s ended (%s) while its message was being sent; a duplicate may be "
+        "sent before the message runs",
+        lease.key, "expired or lost" if ended is None else ended.outcome.value, extra=extra,
+    )  # fmt: skip
 
 
 #: Options of a message that carries or belongs to a workflow (callbacks, a group, a chord).
@@ -189,16 +229,18 @@ def _ttl(task: Any, default: float, options: dict[str, Any]) -> float:
 
 
 def _seconds_until(when: Any, *, now: bool = False) -> float | None:
-    """Seconds from now to ``when``: a datetime (naive: local time, as Celery's worker reads
-    it), an ISO 8601 string (a message's own ``eta``/``expires``), or with ``now`` a number
-    of seconds from now (Celery's ``expires=60``); None for anything else."""
+    """Seconds from now to ``when``: a datetime (naive: UTC, as Celery reads it on both
+    sides, whatever the host's zone), an ISO 8601 string (a message's own ``eta``/``expires``),
+    or with ``now`` a number of seconds from now (Celery's ``expires=60``); None for anything
+    else."""
     if isinstance(when, str):
         try:
             when = datetime.fromisoformat(when)
         except ValueError:
             return None
-    if isinstance(when, datetime):
-        return when.timestamp() - time.time()
+    if isinstance(when, datetime):  # naive: UTC (celery.utils.time.maybe_make_aware)
+        aware = when if when.utcoffset() is not None else when.replace(tzinfo=timezone.utc)
+        return aware.timestamp() - time.time()
     if now and isinstance(when, (int, float)) and not isinstance(when, bool):
         return float(when)
     return None
@@ -232,21 +274,35 @@ def guards(task: Any, options: dict[str, Any], passing: tuple[str, ...] = ()) ->
 
 
 def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
-    """``run()`` the body of a request sent under ``mark``, and release the mark by its
-    token: as it starts (``until_started``), or when it ends (``until_finished``, with its
-    outcome; a Retry keeps it: the same logical task goes on)."""
+    """``run()`` the body of a request sent under ``mark`` unless a revoke released the mark
+    first (``revoking.may_start``), and release the mark by its token: as it starts
+    (``until_started``), or when it ends (``until_finished``, with its outcome; a Retry
+    keeps it: the same logical task goes on)."""
     where = getattr(task.request, "hostname", None) or "a direct call"
     if task.dedupe == "until_started":
         return _run_until_started(task, mark, run, where)
+    return _run_until_finished(task, mark, run, where)
+
+
+def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: str) -> Any:
+    """``until_finished``: the mark ends with the body's outcome; a Retry keeps it. With
+    ``expires``, it is lengthened to ``dedupe_ttl`` as the message is taken (its run may be
+    long), and again once the body lock is held (see :func:`_bound_for_retry`)."""
     ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
     expires = getattr(task.request, "expires", None)
-    if expires is not None:  # taken: the message can no longer expire, its run may be long
+    if expires is not None:
         _extend(task, mark, _dedupe_ttl(task))
     started = False
+    held: set[str] = set()  # the tokens of this attempt's body leases
 
     def on_held() -> None:
         nonlocal started
-        started = True
+        held.update(lease.token for lease in task.leases)
+        started = started or may_start(task, mark, where, release=False)
+        if not started:
+            end_revoked(task, mark, where)
+        if expires is not None:
+            _extend(task, mark, _dedupe_ttl(task))
 
     task.request.dlock_on_held = on_held
     try:
@@ -254,14 +310,14 @@ def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
         if not started:  # on_locked="skip" or a callable: the body never ran
             ended = (Outcome.SKIPPED, f"its body did not run on {where}: the key was busy")
         return result
-    except Retry:
+    except (Retry, RevokedBeforeStart) as exc:  # the same task goes on; the revoke ended it
         ended = None
-        left = _seconds_until(expires)
-        if left is not None:  # the next attempt's message expires when this one did
-            _extend(task, mark, max(0.0, left) + EXPIRY_GRACE)
+        if isinstance(exc, Retry):
+            _resent(task, mark, exc, held)
         raise
     except BaseException as exc:
-        ended = (outcome_of(exc), f"ended on {where} by {type(exc).__name__}: {exc}")
+        why = f"ended on {where} by {type(exc).__name__}: {exc}"
+        ended = None if _comes_back(task, exc) else (outcome_of(exc), why)
         raise
     finally:
         task.request.dlock_on_held = None
@@ -269,15 +325,55 @@ def run_marked(task: Any, mark: Lease, run: Callable[[], Any]) -> Any:
             end_mark(task, mark, *ended)
 
 
+def _resent(task: Any, mark: Lease, exc: Retry, held: set[str] | None) -> None:
+    """A retry, or a re-queue for a busy key, re-sent the task after ``exc.when``: its mark
+    lives ``dedupe_ttl`` past that, as a sent message's (:func:`_ttl`), up to the ``expires``
+    it keeps (+ ``EXPIRY_GRACE``); never shortened but for ``held``, an until_finished run's."""
+    ttl = _dedupe_ttl(task) + max(0.0, _seconds_until(exc.when, now=True) or 0.0)
+    left = _seconds_until(getattr(task.request, "expires", None))
+    if left is not None:
+        ttl = min(ttl, max(0.0, left) + EXPIRY_GRACE)
+    if left is None or held is None:
+        _extend(task, mark, ttl)
+    else:
+        _bound_for_retry(task, mark, ttl, held)
+
+
+def _bound_for_retry(task: Any, mark: Lease, ttl: float, held: set[str]) -> None:
+    """Bound a run's mark to ``ttl`` for its retry's message (sent already) unless a worker
+    took it meanwhile: that worker lengthens the mark again once it holds the body lock,
+    so either that comes after this bound, or the look here finds its body lease (of this
+    task id, none of ``held``) and lengthens the mark again."""
+    _extend(task, mark, ttl, shorten=True)
+    request = task.request
+    try:
+        found = [lease for _, lease in body_leases(task, request.args, request.kwargs)]
+    except DLockError as exc:  # cannot tell: the mark lives on rather than end under a run
+        extra = fields("mark_lookup_failed", mark)
+        logger.error("cannot tell whether %s's retry runs: %s", mark.key, exc, extra=extra)
+    else:
+        if all(lease.holder.task_id != request.id or lease.token in held for lease in found):
+            return
+    _extend(task, mark, _dedupe_ttl(task))
+
+
+def _comes_back(task: Any, exc: BaseException) -> bool:
+    """Whether ``exc`` puts the message back to run again under its mark: a ``Reject`` with
+    ``requeue`` of a message not acknowledged yet (``acks_late``; ``Request.reject``)."""
+    return isinstance(exc, Reject) and bool(exc.requeue) and bool(task.acks_late)
+
+
 def _dedupe_ttl(task: Any) -> float:
     return float(task.dedupe_ttl) if task.dedupe_ttl is not None else settings(task.app).dedupe_ttl
 
 
-def _extend(task: Any, mark: Lease, ttl: float) -> None:
-    """Make ``mark`` end ``ttl`` seconds from now, by its token; a store error is logged
-    (the mark then ends when it would have)."""
+def _extend(task: Any, mark: Lease, ttl: float, *, shorten: bool = False) -> None:
+    """Make ``mark`` end ``ttl`` seconds from now, by its token: handed over (no earlier
+    than it would, whichever of this and the producer's hand-over comes last), or renewed
+    to ``shorten`` it; a store error is logged (the mark then ends when it would have)."""
+    backend = shared_backend(settings(task.app).backend)
     try:
-        shared_backend(settings(task.app).backend).hand_over(mark, ttl)
+        (backend.renew if shorten else backend.hand_over)(mark, ttl)
     except BackendError as exc:
         extra = fields("extend_failed", mark)
         logger.error("could not extend the dedupe mark %s: %s", mark.key, exc, extra=extra)
@@ -293,15 +389,18 @@ def _run_until_started(task: Any, mark: Lease, run: Callable[[], Any], where: st
         nonlocal started
         if not started:
             started = True
-            end_mark(task, mark, Outcome.DEQUEUED, f"started by {where}")
+            if not may_start(task, mark, where, release=True):
+                end_revoked(task, mark, where)
 
     task.request.dlock_on_held = on_held
     try:
         result = run()
-    except Retry:
-        raise  # re-queued for a busy key, or retried: the same logical task keeps its mark
-    except BaseException as exc:
+    except Retry as exc:  # re-queued for a busy key, or retried: the same task keeps its mark
         if not started:
+            _resent(task, mark, exc, None)
+        raise
+    except BaseException as exc:
+        if not started and not _comes_back(task, exc):
             why = f"ended on {where} before its body started, by {type(exc).__name__}: {exc}"
             end_mark(task, mark, outcome_of(exc), why)
         raise
@@ -336,66 +435,26 @@ def end_mark(task: Any, mark: Lease, outcome: Outcome, details: str) -> Record |
     return release_mark(lock, mark, outcome, None, details)
 
 
-def release_mark(
-    lock: Lock, mark: Lease, outcome: Outcome, problem: str | None, details: str
-) -> Record | None:
-    """Release ``mark`` by its token through ``lock``; a store error is logged (the mark
-    then ends at its ttl) and gives None, as does a mark that ended meanwhile."""
-    try:
-        return lock.end(mark, outcome, problem, details)
-    except BackendError as exc:
-        extra = fields("release_failed", mark, outcome=outcome)
-        logger.error(
-            "could not release the dedupe mark %s (it ends at its ttl): %s",
-            mark.key,
-            exc,
-            extra=extra,
-        )
-        return None
-
-
 def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Revoke the message queued under ``task``'s mark for these arguments and release the
     mark at once (recorded ``revoked``), so that the next ``apply_async`` sends again. The
     mark of a task that runs (``until_finished``: the store holds a body lease of its id,
     or one kept for its retry) is left alone, as a plain revoke leaves it: a revoke does not
-    stop a running task, and a duplicate sent meanwhile would run after it.
+    stop a running task, and a duplicate sent meanwhile would run after it. A worker that
+    is starting the message settles it with this call through the store
+    (:func:`~celery_dlock.celery.revoking.may_start`): the mark is released first, and the
+    message revoked only then; the body then does not run.
 
     Returns:
         the id of the task revoked, or None when no message was queued under a mark.
+
+    Raises:
+        BackendError: the store failed (the message is revoked only after its mark went).
+        LockTimeoutError: another revoker of this mark held it for ``REVOKING_TTL``.
     """
     current = settings(task.app)
     key = mark_key(task.lock_key_for(args, kwargs, current.namespace), task.name)
-    lock = Lock(current.backend, key)
-    mark = lock.current()
-    if (
-        mark is None
-        or mark.holder.task_id is None
-        or _runs(task, mark.holder.task_id, args, kwargs)
-    ):
-        return None
-    task.app.control.revoke(mark.holder.task_id)
-    release_mark(lock, mark, Outcome.REVOKED, None, "revoked while queued (revoke_queued)")
-    return mark.holder.task_id
-
-
-def _runs(task: Any, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether the store holds a body lease of ``task_id`` on ``task``'s keys for these
-    arguments (on any of its slots, with a ``lock_limit``)."""
-    return any(lease.holder.task_id == task_id for _, lease in body_leases(task, args, kwargs))
-
-
-def body_leases(task: Any, args: Any, kwargs: Any) -> list[tuple[Lock, Lease]]:
-    """Every lease on the body keys of ``task`` for these arguments now (each slot of a
-    ``lock_limit``), with the Lock of its key, to end one by its token.
-
-    Raises:
-        DLockError: the store failed, or the arguments render no key.
-    """
-    backend = settings(task.app).backend
-    keys = task.lock_keys_for(tuple(args or ()), dict(kwargs or {}))
-    locks = [Lock(backend, key, limit=getattr(task, "lock_limit", 1)) for key in keys]
-    return [(lock, lease) for lock in locks for lease in lock.holders()]
+    return revoke_mark(task, Lock(current.backend, key), args, kwargs)
 
 
 def end_mark_of_attempt(

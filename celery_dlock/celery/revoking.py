@@ -18,35 +18,65 @@ running task, and ``until_finished`` holds the mark until the body ends): when t
 runs it, or when the store holds a body lease of that task id. Every worker gets the
 broadcast and looks; the first release wins, the others find nothing to release. A
 ``terminate=True`` revoke of a running task is handled by ``task_revoked`` as before.
+
+A revoker and a worker starting that very message settle it through the store, on every
+store, with only its plain steps (:func:`revoke_mark`, :func:`may_start`): exactly one of
+them wins. Either the mark is released ``revoked`` and the body does not run (its body
+lease released ``revoked``, the task stored ``REVOKED``), or the body runs and the mark
+is left alone (an ``until_finished`` mark held until the body ends, an ``until_started``
+one released ``dequeued``) while the revoker revokes nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+import time
+from typing import Any, NoReturn
 
+from celery.exceptions import Ignore
 from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from celery.worker.control import Panel
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.busy import RETRY_HEADER, header
-from celery_dlock.celery.dedupe import body_leases, release_mark
 from celery_dlock.celery.settings import settings
-from celery_dlock.errors import DLockError
+from celery_dlock.errors import BackendError, DLockError, LockLostError
 from celery_dlock.events import fields
+from celery_dlock.keys import MARK, is_mark
 from celery_dlock.lock import Lock
 from celery_dlock.process import shared_backend
-from celery_dlock.records import Lease, Outcome, Record
+from celery_dlock.records import Holder, Lease, Outcome, Record
 
-__all__ = ["install", "kept_token", "release_kept", "release_marks_of"]
+__all__ = [
+    "REVOKING",
+    "REVOKING_TTL",
+    "RevokedBeforeStart",
+    "body_leases",
+    "end_revoked",
+    "install",
+    "kept_token",
+    "may_start",
+    "release_kept",
+    "release_mark",
+    "release_marks_of",
+    "revoke_mark",
+]
 
 logger = logging.getLogger("celery_dlock.dedupe")
 
-#: What a mark's key holds between the lock key and the task name (see dedupe.mark_key).
-_MARK = "#queued:"
 _installed = threading.Lock()
+#: What a revoker holds beside a mark's key while it decides (``<mark key>#revoking``), and
+#: for how long at most: one that dies mid-way holds a worker starting that message this long.
+REVOKING = "#revoking"
+REVOKING_TTL = 30.0
+#: Seconds of clock difference allowed for when the history is searched for a mark's record.
+_SKEW = 600.0
+
+
+class RevokedBeforeStart(Ignore):  # type: ignore[misc]  # celery has no type hints
+    """The request's mark was released by a revoke before its body started: not run."""
 
 
 def install(sender: Any = None, **_: Any) -> None:
@@ -129,25 +159,52 @@ def _dedupes(app: Any) -> bool:
 
 def release_marks_of(app: Any, task_ids: set[str]) -> list[Record]:
     """Release the dedupe marks held for ``task_ids`` whose tasks have not started, each by
-    its token, recorded ``revoked``; the records written."""
+    its token, recorded ``revoked``; the records written. Each mark is released under its
+    guard, as :func:`revoke_mark` releases one, against a worker starting its message."""
     current = settings(app)
-    active = {request.id for request in worker_state.active_requests}
     backend = shared_backend(current.backend)
+    prefix = f"{current.namespace}:" if current.namespace else ""
+    guards: list[Lock] = []
     try:
-        leases = backend.leases(f"{current.namespace}:" if current.namespace else "")
+        marks = [
+            lease
+            for lease in backend.leases(prefix)
+            if is_mark(lease.key, lease.holder.task_name) and lease.holder.task_id in task_ids
+        ]
+        for mark in marks:
+            guards.append(guard(backend, mark))
+        # Waits for later guards (one a dead revoker left lives its ttl) may have outlasted
+        # the first ones: a mark whose guard ran out is left, as a worker may have started it.
+        marks = [mark for mark, taken in zip(marks, guards, strict=True) if _fresh(taken)]
+        leases = backend.leases(prefix) if marks else []  # after the guards (see may_start)
+        # Body leases: neither marks nor the guards beside them.
+        running = {lease.holder.task_id for lease in leases if MARK not in lease.key}
+        running |= {request.id for request in worker_state.active_requests}
+        return [
+            record
+            for mark in marks
+            if mark.holder.task_id not in running and (record := _release(backend, mark))
+        ]
     except DLockError as exc:
         extra = fields("revoke_lookup_failed")
-        logger.error("cannot look up the dedupe marks of revoked tasks: %s", exc, extra=extra)
+        logger.error("cannot release the dedupe marks of revoked tasks: %s", exc, extra=extra)
         return []
-    running = {lease.holder.task_id for lease in leases if _MARK not in lease.key} | active
-    records = []
-    for mark in leases:
-        task_id = mark.holder.task_id
-        if _MARK in mark.key and task_id in task_ids and task_id not in running:
-            record = _release(backend, mark)
-            if record is not None:
-                records.append(record)
-    return records
+    finally:
+        for each in guards:
+            unguard(each, "a revoke reached the worker")
+
+
+def _fresh(taken: Lock) -> bool:
+    """Whether the guard ``taken`` is still ours, its ttl renewed for the decision.
+
+    Raises:
+        BackendError: the store failed (the revoke then releases nothing).
+    """
+    try:
+        taken.renew()
+    except LockLostError:
+        return False
+    return True
 
 
 def _release(backend: LockBackend, mark: Lease) -> Record | None:
@@ -159,3 +216,152 @@ def _release(backend: LockBackend, mark: Lease) -> Record | None:
             "released the dedupe mark %s of revoked %s", mark.key, mark.holder.task_id, extra=extra
         )
     return record
+
+
+def release_mark(
+    lock: Lock, mark: Lease, outcome: Outcome, problem: str | None, details: str
+) -> Record | None:
+    """Release ``mark`` by its token through ``lock``; a store error is logged (the mark
+    then ends at its ttl) and gives None, as does a mark that ended meanwhile."""
+    try:
+        return lock.end(mark, outcome, problem, details)
+    except BackendError as exc:
+        extra = fields("release_failed", mark, outcome=outcome)
+        logger.error(
+            "could not release the dedupe mark %s (it ends at its ttl): %s",
+            mark.key,
+            exc,
+            extra=extra,
+        )
+        return None
+
+
+def body_leases(task: Any, args: Any, kwargs: Any) -> list[tuple[Lock, Lease]]:
+    """Every lease on the body keys of ``task`` for these arguments now (each slot of a
+    ``lock_limit``), with the Lock of its key, to end one by its token.
+
+    Raises:
+        DLockError: the store failed, or the arguments render no key.
+    """
+    backend = settings(task.app).backend
+    keys = task.lock_keys_for(tuple(args or ()), dict(kwargs or {}))
+    locks = [Lock(backend, key, limit=getattr(task, "lock_limit", 1)) for key in keys]
+    return [(lock, lease) for lock in locks for lease in lock.holders()]
+
+
+def revoke_mark(task: Any, lock: Lock, args: Any, kwargs: Any) -> str | None:
+    """``revoke_queued``'s half of the handshake of :func:`may_start`: under the mark's
+    guard, release the mark on ``lock``'s key (``revoked``) unless the store holds a body
+    lease of its task (or one kept for its retry), and revoke that task only once its mark
+    went; the id revoked, or None.
+
+    Raises:
+        BackendError: the store failed (nothing was revoked).
+        LockTimeoutError: another revoker held the guard for ``REVOKING_TTL``.
+    """
+    mark = lock.current()
+    task_id = None if mark is None else mark.holder.task_id
+    if mark is None or task_id is None:
+        return None
+    held = guard(lock.backend, mark)
+    try:
+        runs = any(lease.holder.task_id == task_id for _, lease in body_leases(task, args, kwargs))
+        why = "revoked while queued (revoke_queued)"
+        if runs or lock.end(mark, Outcome.REVOKED, None, why) is None:
+            return None
+    finally:
+        unguard(held, "revoke_queued")
+    task.app.control.revoke(task_id)
+    return task_id
+
+
+def guard(backend: LockBackend, mark: Lease) -> Lock:
+    """The guard of ``mark`` (``<mark key>#revoking``), taken for a revoker: waiting while
+    another revoker holds it, at most ``REVOKING_TTL``.
+
+    Raises:
+        LockTimeoutError: another revoker held it all that time.
+        BackendError: the store failed.
+    """
+    holder = Holder.current(task_id=mark.holder.task_id, task_name=mark.holder.task_name)
+    key = mark.key + REVOKING
+    taken = Lock(backend, key, REVOKING_TTL, REVOKING_TTL, holder=holder, renew=False)
+    taken.acquire()
+    return taken
+
+
+def unguard(taken: Lock, revoker: str) -> None:
+    """Release a guard taken by :func:`guard`; a store error is logged (it ends at its ttl)."""
+    try:
+        taken.release(Outcome.SUCCEEDED, None, f"{revoker} decided")
+    except BackendError as exc:
+        extra = fields("release_failed", key=taken.key)
+        logger.error("could not release %s (it ends at its ttl): %s", taken.key, exc, extra=extra)
+
+
+def may_start(task: Any, mark: Lease, where: str, *, release: bool) -> bool:
+    """Whether the body of the request sent under ``mark`` may start: asked holding its
+    lock, False when a revoke released ``mark`` (recorded ``revoked``) first. ``release``:
+    end the mark now, ``dequeued`` (``until_started``), rather than only look at it.
+
+    The worker's half of its handshake with a revoker (:func:`revoke_mark`,
+    :func:`release_marks_of`), who takes the mark's guard, then looks for a body lease of
+    the task, then releases the mark. The worker took its body lease before it looks at
+    the guard (waiting while a revoker holds it), then at the mark: each side writes
+    before it reads what the other writes, so one of them at least sees the other. Either
+    the revoker leaves the mark of a body that runs, or the worker finds its mark revoked.
+    A store error is logged and the body runs, as it did before the handshake."""
+    backend = shared_backend(settings(task.app).backend)
+    try:
+        _await_revoker(backend, mark.key + REVOKING)
+        if release:
+            why = f"started by {where}"
+            if Lock(backend, mark.key).end(mark, Outcome.DEQUEUED, None, why) is not None:
+                return True
+        elif (current := backend.get(mark.key)) is not None and current.token == mark.token:
+            return True
+        # Gone: released by a revoke, or ended by its ttl (or an operator): that one runs.
+        found = backend.history(mark.key, Outcome.REVOKED, mark.acquired_at - _SKEW, None)
+        return all(record.lease.token != mark.token for record in found)
+    except BackendError as exc:
+        extra = fields("revoke_check_failed", mark)
+        logger.error(
+            "cannot tell whether the dedupe mark %s was revoked; the body runs: %s",
+            mark.key,
+            exc,
+            extra=extra,
+        )
+        return True
+
+
+def _await_revoker(backend: LockBackend, key: str) -> None:
+    """Return once no revoker holds ``key`` (its decision is in the store), or after
+    ``REVOKING_TTL``, when its lease has expired."""
+    deadline = time.monotonic() + REVOKING_TTL
+    while backend.get(key) is not None and (left := deadline - time.monotonic()) > 0:
+        place = backend.wait(key, min(left, 1.0))
+        if place is not None:  # no place kept in its queue: this worker never takes it
+            place.leave()
+
+
+def end_revoked(task: Any, mark: Lease, where: str) -> NoReturn:
+    """End the request whose mark a revoke released before its body started: the body lock
+    it holds released ``revoked``, the task's state stored ``REVOKED`` (with the reason
+    Celery's worker gives a revoked message), and no body run.
+
+    Raises:
+        RevokedBeforeStart: always (an ``Ignore``: Celery stores nothing more).
+    """
+    request = task.request
+    lock = getattr(request, "dlock_lock", None)
+    request.dlock_lock = None
+    why = f"its message was revoked before its body started on {where}"
+    extra = fields("revoked_at_start", mark, outcome=Outcome.REVOKED)
+    logger.info("%s[%s] not run: %s", task.name, request.id, why, extra=extra)
+    try:
+        if lock is not None:
+            lock.release(Outcome.REVOKED, None, why)
+    finally:
+        store = not task.ignore_result or task.store_errors_even_if_ignored
+        task.backend.mark_as_revoked(request.id, "revoked", request=request, store_result=store)
+    raise RevokedBeforeStart(why)

@@ -13,13 +13,19 @@ Settings (Celery style, all optional)::
     dlock_metrics            Prometheus metrics (the [metrics] extra)   False
 
 Settings are read when used, not when installed, so the order of ``install(app)`` and
-``app.config_from_object(...)`` does not matter.
+``app.config_from_object(...)`` does not matter. Any other key starting ``dlock_`` in the
+conf (``dlock_ttll``; ``CELERY_DLOCK_TTLL`` under a ``namespace="CELERY"``) is refused as a
+misspelt setting. Without a namespace, a setting may also be spelt in upper case
+(``DLOCK_BACKEND``), as Celery reads its own old names (``BROKER_URL``); spelt both ways with
+two values, it is refused.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from celery_dlock import metrics
+from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, validate_ttl
 from celery_dlock.errors import ConfigurationError, LockKeyError
 from celery_dlock.events import fields
@@ -38,6 +45,7 @@ if TYPE_CHECKING:
     from celery import Celery
 
 __all__ = [
+    "SETTINGS",
     "Settings",
     "backend_for",
     "default_backend_url",
@@ -51,6 +59,17 @@ logger = logging.getLogger("celery_dlock")
 
 _DAY = 86400.0
 _warned_default = threading.Event()
+#: Every ``dlock_*`` setting: a key of the app's conf so named that is not one is refused.
+SETTINGS = (
+    "dlock_backend",
+    "dlock_namespace",
+    "dlock_ttl",
+    "dlock_janitor_interval",
+    "dlock_history_retention",
+    "dlock_on_backend_error",
+    "dlock_dedupe_ttl",
+    "dlock_metrics",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +123,8 @@ def forget_settings(app: Celery) -> None:
 
 
 def _read_settings(app: Celery) -> Settings:
-    conf = app.conf
+    _refuse_unknown(app.conf)
+    conf = _spelt_either_way(app.conf)
     url = conf.get("dlock_backend")
     default = url is None
     if default:
@@ -141,6 +161,49 @@ def _read_settings(app: Celery) -> Settings:
     )
 
 
+def _refuse_unknown(conf: Any) -> None:
+    """Refuse a ``dlock_*`` key of ``conf`` that is not a setting (``dlock_ttll = 5`` would
+    otherwise leave leases without a ttl), naming the closest setting.
+
+    Keys are taken as Celery reads its own: lower-case, or after the prefix of
+    ``config_from_object(..., namespace=...)`` in the prefix's case (``CELERY_DLOCK_TTL``).
+    An upper-case ``DLOCK_*`` without a namespace may be anyone's (a Django setting)."""
+    keys = list(conf.keys())
+    prefix = getattr(conf, "prefix", None) or ""  # set as the keys are first read
+    for key in keys:
+        if not isinstance(key, str):
+            continue
+        spelt, name = "", key
+        if prefix and key.startswith(prefix):
+            spelt, name = prefix, key[len(prefix) :]
+            name = name.lower() if prefix.isupper() and name.isupper() else name
+        if not name.startswith("dlock_") or name in SETTINGS:
+            continue
+        close = difflib.get_close_matches(name.lower(), SETTINGS, n=1, cutoff=0.7)
+        known = [spelt + (n.upper() if spelt.isupper() else n) for n in close or SETTINGS]
+        hint = f"did you mean {known[0]}?" if close else f"the settings are {', '.join(known)}"
+        raise ConfigurationError(f"unknown setting {key} ({hint})")
+
+
+def _spelt_either_way(conf: Any) -> Any:
+    """``conf``, or with no namespace and an upper-case ``DLOCK_*`` setting given, a dict of
+    the settings read either way (an old-style config module: ``DLOCK_BACKEND`` beside
+    ``BROKER_URL``, which would otherwise leave the tasks on the local default store)."""
+    if getattr(conf, "prefix", None) or not any(n.upper() in conf for n in SETTINGS):
+        return conf
+    given: dict[str, Any] = {}
+    for name in SETTINGS:
+        spellings = [n for n in (name, name.upper()) if n in conf]
+        values = [conf[n] for n in spellings]
+        if len(values) == 2 and values[0] != values[1]:
+            raise ConfigurationError(
+                f"{name} is set to {values[0]!r} and {name.upper()} to {values[1]!r}: keep one"
+            )
+        if values:
+            given[name] = values[0]
+    return given
+
+
 def _seconds(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}")
@@ -174,5 +237,19 @@ def enable_metrics() -> None:
 
 
 def backend_for(app: Celery) -> LockBackend:
-    """The lock store of ``app`` in this process (one per URL per process)."""
-    return shared_backend(settings(app).backend)
+    """The lock store of ``app`` in this process (one per URL per process).
+
+    Raises:
+        ConfigurationError: a setting is bad, or ``dlock_backend`` names no store that can
+            be built (an unknown scheme: ``UnknownBackendError``; a driver not installed:
+            ``MissingDependencyError``), noted with the setting and its URL, password masked.
+    """
+    url = settings(app).backend
+    try:
+        return shared_backend(url)
+    except ConfigurationError as exc:
+        # Its class is kept (``except UnknownBackendError`` still works); a traceback, such
+        # as a worker's that this stops at its start, prints the note under the message.
+        if sys.version_info >= (3, 11):
+            exc.add_note(f"in the setting dlock_backend = {mask_url(url)}")
+        raise

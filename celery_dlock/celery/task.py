@@ -5,9 +5,8 @@
     @app.task(base=LockedTask, lock_key="order:{order_id}", once=True)
     def charge(order_id, amount): ...
 
-The lock is taken in the worker process that runs the body (``__call__``, after Celery has
-pushed the request), and released in the same process on every exit, recorded with the
-outcome. Options (task attributes, set through ``@app.task(...)``):
+Taken in the worker process that runs the body (``__call__``, once Celery pushed the
+request), released there on every exit, recorded with the outcome. Options (task attributes):
 
 ``lock_key``            template (``"order:{order_id}"`` / ``"order:<order_id>"``) or callable
 ``lock_ttl``            seconds a lease lives unrenewed (default ``dlock_ttl``); renewed every
@@ -42,7 +41,7 @@ from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import busy, dedupe, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
-from celery_dlock.celery.options import check_options
+from celery_dlock.celery.options import check_base, check_options
 from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
@@ -106,6 +105,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         signals.connect()
         run = cls.__dict__.get("run")
         if run is None:  # an abstract base of the user's own, without a body yet
+            check_base(cls)
             return
         name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
         if cls.lock_key is None:
@@ -324,13 +324,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 )
                 self._started(request)
                 return self.run(*args, **kwargs)
-            # Backing off as for a busy key, without lock_retry_max: the work is kept
-            attempt = int(busy.header(request, busy.BUSY_HEADER) or 0)
-            why = f"the lock store failed: {exc}"
-            return busy.requeue(self, exc, why, attempt, logging.ERROR)
+            busy.store_failed(self, exc)  # backing off as for a busy key
         request.dlock_lock = lock
-        self._started(request)
         try:
+            self._started(request)
             return self._body(lock, args, kwargs)
         finally:
             request.dlock_lock = None
@@ -344,10 +341,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             on_held()
 
     def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.once:
-            previous = lock.last_success(self.name)
-            if previous is not None:
-                return self._replay(lock, previous)
+        previous = busy.kept_success(self, lock) if self.once else None
+        if previous is not None:
+            return self._replay(lock, previous)
         try:
             result = self.run(*args, **kwargs)
         except Retry as exc:

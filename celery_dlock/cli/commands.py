@@ -8,17 +8,19 @@ the namespace gets a hint.
 
 from __future__ import annotations
 
+import functools
 import getpass
 import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
 
 from celery_dlock.backends.base import LockBackend, server_time
-from celery_dlock.cli.env import Env, UsageFailure, guarded
+from celery_dlock.cli.env import Env, UsageFailure, guarded, guarded_creating
 from celery_dlock.cli.render import (
     DURATION,
     MOST,
@@ -28,6 +30,7 @@ from celery_dlock.cli.render import (
     holder_text,
     human_duration,
     lease_json,
+    lease_lines,
     local_time,
     record_json,
     table,
@@ -41,8 +44,6 @@ __all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "store_now"]
 
 #: ``--json`` on every command.
 JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
-
-#: The outcomes ``history --problems`` shows: a lease that did not end the ordinary way.
 
 
 def store_now(backend: LockBackend) -> float:
@@ -87,7 +88,9 @@ def leases(env: Env, prefix: str | None, all_keys: bool, as_json: bool) -> None:
 
     Shows the leases whose key starts with PREFIX (default: the namespace, 'job:'): key,
     holder, age, fence, expires (in N s / never / EXPIRED). A holder marked [gone] is a
-    process of this host that no longer exists: `reap` clears its lease.
+    process of this host that no longer exists: `reap` clears its lease (where leases live
+    by their ttl, as on Redis, once it expires). [queued message]
+    marks a dedupe mark, held for its message until its ttl whatever became of its producer.
     """
     if prefix is not None and all_keys:
         raise UsageFailure("give a PREFIX or --all, not both")
@@ -107,6 +110,9 @@ def leases(env: Env, prefix: str | None, all_keys: bool, as_json: bool) -> None:
     if not found:
         where = f"under {chosen!r} " if chosen else ""
         more = " (--all for every key)" if chosen and prefix is None else ""
+        full = env.target.prefix + chosen
+        if prefix and not chosen.startswith(env.target.prefix) and env.backend.leases(full):
+            more = f" (keys are given in full: did you mean {full!r}?)"
         env.echo(f"no leases {where}in {env.url}{more}")
         return
     rows = [
@@ -148,6 +154,52 @@ def query_history(
     return found[:limit]
 
 
+#: ``history --key K`` looks for K's slots until this many in a row have neither a record
+#: nor a lease, past the last slot held now or seen in the newest :data:`RECENT` records:
+#: slots are taken in a random order, so a later slot may have records where an earlier one
+#: has none.
+SLOT_GAP = 3
+RECENT = 1000
+
+
+def _slots_in_use(backend: LockBackend, key: str) -> list[str]:
+    """The slots of ``key`` (``key#0``, ``key#1``, ...) that have records or a lease, asked
+    one slot at a time (the stores filter history by exact key only; an indexed lookup on
+    Postgres)."""
+    held = {lease.key for lease in backend.leases(f"{key}#") if _slot_of(lease.key, key)}
+    seen = {record.key for record in backend.history(limit=RECENT) if _slot_of(record.key, key)}
+    last = max((int(slot[len(key) + 1 :]) for slot in held | seen), default=-1)
+    found: list[str] = []
+    number = unused = 0
+    while unused < SLOT_GAP or number <= last:
+        slot = f"{key}#{number}"
+        used = slot in held or slot in seen or bool(backend.history(key=slot, limit=1))
+        found += [slot] if used else []
+        unused = 0 if used else unused + 1
+        number += 1
+    return found
+
+
+def _records_of(
+    backend: LockBackend,
+    key: str | None,
+    query: Callable[..., list[Record]],
+    *,
+    filtered: bool,
+    limit: int,
+) -> tuple[list[Record], list[str]]:
+    """The records ``query`` matches for ``key`` (every key: None), and the slots searched:
+    a key with no records of its own (a filter may have hidden them: asked again without)
+    that was taken with a limit has its slots' records instead, newest first."""
+    records = query(key=key)
+    if key is None or records or (filtered and backend.history(key=key, limit=1)):
+        return records, []
+    slots = _slots_in_use(backend, key)
+    found = [record for slot in slots for record in query(key=slot)]
+    found.sort(key=lambda record: record.released_at, reverse=True)
+    return found[:limit], slots
+
+
 @click.command()
 @click.option("--key", help="Only this key (in full, as `leases` shows it).")
 @click.option("--outcome", type=click.Choice([o.value for o in Outcome]), help="Only this outcome.")
@@ -177,20 +229,37 @@ def history(
     """Show released leases, newest first.
 
     Columns: released (local time), key, outcome, problem, fence, holder, duration held.
+    A --key with no records of its own that was taken with a limit shows its slots' records
+    (KEY#0, KEY#1, ...), and says so.
     """
     if key is not None:
         validate_key(key)
     kind = None if outcome is None else Outcome(outcome)
-    records = query_history(
-        env.backend, key=key, outcome=kind, problems=problems, since=since, limit=limit
+    if problems and kind is not None and kind not in PROBLEM_OUTCOMES:  # would match nothing
+        shown = ", ".join(o.value for o in PROBLEM_OUTCOMES)
+        raise UsageFailure(f"--outcome {outcome} is not a problem: --problems shows {shown}")
+    query = functools.partial(
+        query_history, env.backend, outcome=kind, problems=problems, since=since, limit=limit
     )
+    filtered = kind is not None or problems or since is not None
+    records, slots = _records_of(env.backend, key, query, filtered=filtered, limit=limit)
     if as_json:
-        env.emit_json({"backend": env.url, "records": [record_json(r) for r in records]})
+        found = [record_json(record) for record in records]
+        env.emit_json({"backend": env.url, "records": found, "slots": slots})
         return
+    if slots:
+        shown = "the records of" if records else "no record matches in"
+        text = f"{key} has no records of its own: a key taken with a limit; {shown} its slots"
+        env.echo(f"{text} {', '.join(slots)}", err=True)
     if not records:
-        hint = "" if key is None else _key_hint(env, key, history=True)
+        hint = "" if key is None or slots else _key_hint(env, key, history=True)
         env.echo(f"no history records match in {env.url}{hint}")
         return
+    _show_records(env, records, details=details)
+
+
+def _show_records(env: Env, records: list[Record], *, details: bool) -> None:
+    """The records as a table, each followed by its details when asked for."""
     rows = [
         [
             local_time(record.released_at),
@@ -228,32 +297,28 @@ def operator() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _lease_lines(lease: Lease, now: float) -> str:
-    rows = [
-        ["key", lease.key],
-        ["holder", holder_text(lease)],
-        ["fence", str(lease.fence)],
-        [
-            "acquired",
-            f"{local_time(lease.acquired_at)} ({human_duration(now - lease.acquired_at)} ago)",
-        ],
-        ["expires", expires_text(lease, now)],
-    ]
-    return "\n".join(f"  {name:<9}{value}" for name, value in rows)
-
-
 @click.command()
 @click.argument("key")
 @click.option("--force", is_flag=True, help="Do not ask for confirmation.")
+@click.option(
+    "--fence",
+    type=click.IntRange(min=0),
+    help="Only the lease with this fence (as `leases` showed it): a lease taken since, by a "
+    "live holder, is left alone.",
+)
 @click.option("--reason", default="no reason given", show_default=True, help="Kept in the record.")
 @JSON
 @guarded
-def release(env: Env, key: str, force: bool, reason: str, as_json: bool) -> None:
+def release(
+    env: Env, key: str, *, force: bool, fence: int | None, reason: str, as_json: bool
+) -> None:
     """Release the lease on KEY, recorded as forced.
 
     KEY is the full key, as `leases` shows it. Shows the lease and asks first, unless
     --force. Only the lease shown is released, by its token: if it ends or changes hands
-    meanwhile, nothing is touched. Exit code 0 only when this command released the lease.
+    meanwhile, nothing is touched. With --fence, only a lease with that fence is released
+    (for scripts that chose it from `leases --json`). Exit code 0 only when this command
+    released the lease.
     """
     validate_key(key)
     backend = env.backend
@@ -261,16 +326,40 @@ def release(env: Env, key: str, force: bool, reason: str, as_json: bool) -> None
     now = store_now(backend)
     if lease is None:
         _finish(env, as_json, key, "not_held", f"no lease on {key!r}{_key_hint(env, key)}")
-    env.echo(f"lease on {key}:\n{_lease_lines(lease, now)}", err=as_json)
+    if fence is not None and lease.fence != fence:
+        text = (
+            f"not released: the lease on {key} has fence {lease.fence}, not {fence} "
+            f"({lease.holder.describe()}); it was left untouched"
+        )
+        _finish(env, as_json, key, "changed", text, current=lease)
+    env.echo(f"lease on {key}:\n{lease_lines(lease, now)}", err=as_json)
     question = f"Release it (fence {lease.fence}), recorded as forced?"
-    if not force and not click.confirm(question, default=False, err=as_json):
+    if not force and not _confirmed(env, question, err=as_json):
         _finish(env, as_json, key, "declined", "not released", shown=lease)
     details = f"released by {operator()} with celery-dlock release: {reason}"
     record = backend.release(lease, Outcome.FORCED, "forced", details)
     if record is not None:
         text = f"released {key} (fence {lease.fence}); recorded as forced: {reason}"
         _finish(env, as_json, key, "released", text, shown=lease, record=record)
-    current = backend.get(key)
+    _not_released(env, as_json, lease)
+
+
+def _confirmed(env: Env, question: str, *, err: bool) -> bool:
+    """The operator's answer; none (stdin closed: cron, a script) is a no, reported as such
+    (click's Abort printed no JSON); Ctrl-C is a KeyboardInterrupt again: exit 130, not 1."""
+    try:
+        return click.confirm(question, default=False, err=err)
+    except click.Abort as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):  # click raises Abort from None
+            raise KeyboardInterrupt from None
+        env.echo(err=err)  # end the question's line
+        return False
+
+
+def _not_released(env: Env, as_json: bool, lease: Lease) -> NoReturn:
+    """Say why ``lease`` was not released: it ended, or another is on its key now."""
+    key = lease.key
+    current = env.backend.get(key)
     if current is None:
         text = (
             f"not released: the lease on {key} (fence {lease.fence}) ended before it could "
@@ -362,7 +451,7 @@ def reap(env: Env, limit: int, retention: float | None, as_json: bool) -> None:
 
 @click.command()
 @JSON
-@guarded
+@guarded_creating
 def migrate(env: Env, as_json: bool) -> None:
     """Create the store's tables if missing.
 
@@ -370,14 +459,14 @@ def migrate(env: Env, as_json: bool) -> None:
     """
     backend = env.backend
     run: Any = getattr(backend, "migrate", None)
-    if run is not None:
-        run()
+    done = None if run is None else run()
     if as_json:
-        env.emit_json({"backend": env.url, "store": backend.name, "migrated": run is not None})
+        found = {"backend": env.url, "store": backend.name, "migrated": run is not None}
+        env.emit_json({**found, "done": done})
     elif run is None:
         env.echo(f"the {backend.name} backend needs no migration")
     else:
-        env.echo(f"the {backend.name} schema is up to date in {env.url}")
+        env.echo(f"the {backend.name} schema in {env.url}: {done or 'up to date'}")
 
 
 COMMANDS = (leases, history, release, reap, migrate)

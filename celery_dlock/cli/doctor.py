@@ -28,6 +28,10 @@ SKEW_WARN = 1.0
 SKEW_FAIL = 30.0
 #: The janitor is late when its last run is older than this many intervals.
 JANITOR_LATE = 3
+#: Seconds after which a failed connect is taken for a store that did not answer (the
+#: drivers' connect timeouts: 10 s for Postgres, 15 s for Redis): its own checks, which
+#: would only wait as long again, are not run.
+NO_ANSWER = 5.0
 
 Status = Literal["ok", "warn", "fail"]
 
@@ -41,15 +45,20 @@ class Finding:
     detail: str
 
 
-def _connect(env: Env) -> Finding:
+def _connect(env: Env) -> tuple[Finding, bool]:
+    """The connect check, and whether the store answered (if only with an error)."""
     probe = f"{env.target.prefix}celery_dlock.doctor"
     started = time.monotonic()
     try:
         env.backend.get(probe)
     except Exception as exc:
-        return Finding("connect", "fail", failure_text(exc))
+        waited = time.monotonic() - started
+        if waited < NO_ANSWER:
+            return Finding("connect", "fail", failure_text(exc)), True
+        note = f" (no answer in {human_duration(waited)}: the store's own checks not run)"
+        return Finding("connect", "fail", failure_text(exc) + note), False
     took = human_duration(time.monotonic() - started)
-    return Finding("connect", "ok", f"get({probe!r}) answered in {took}")
+    return Finding("connect", "ok", f"get({probe!r}) answered in {took}"), True
 
 
 def _capabilities(env: Env) -> Finding:
@@ -142,8 +151,11 @@ def _janitor(env: Env, interval: float | None) -> Finding:
 def run_checks(env: Env, interval: float | None) -> list[Finding]:
     """Every check, in order; after a failed connect only that one and the store's own
     checks if they ran (a store that answers but refuses the lock session, its tables
-    missing or a pooler in the way, says why in them; the rest would only repeat it)."""
-    first = _connect(env)
+    missing or a pooler in the way, says why in them; the rest would only repeat it), and
+    after a store that did not answer at all only that one (each would wait as long)."""
+    first, answered = _connect(env)
+    if not answered:
+        return [first]
     if first.status == "fail":
         try:
             return [first, *_store_checks(env)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import select
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TextIO, TypeVar, cast
 from urllib.parse import unquote, urlsplit
 
 import click
@@ -34,11 +35,18 @@ __all__ = [
     "UsageFailure",
     "failure_text",
     "guarded",
+    "guarded_creating",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _USERINFO = re.compile(r"://[^/?#@]*:([^/?#]*)@")
+
+#: Control characters (C0 but newline and tab, DEL, C1), which a terminal acts on instead of
+#: showing: in text from the store (a failure's message, a command's stderr tail, a task id
+#: a caller chose) they could clear the screen, retitle the window or rewrite a line. Keys
+#: cannot hold them (``validate_key``), so a key is still printed as it is given.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 #: Exit code when the reader of our output went away (``| head``): 128 + SIGPIPE, what the
 #: shell reports for ``cat``, ``grep`` or ``ls`` in the same place.
@@ -91,6 +99,10 @@ class Env:
         self._target: Target | None = None
         self._backend: LockBackend | None = None
         self._replacements: list[tuple[str, str]] = []
+        self._streams: dict[bool, TextIO] = {}
+        #: Whether the command may create a file store that is not there (``run``,
+        #: ``migrate``); the others say that there is none.
+        self.creates = False
 
     @property
     def target(self) -> Target:
@@ -108,6 +120,8 @@ class Env:
     def backend(self) -> LockBackend:
         """The store, opened on first use and closed when the command ends."""
         if self._backend is None:
+            if not self.creates:
+                _require_file_store(self.target)
             self._backend = backend_from_url(self.target.url)
         return self._backend
 
@@ -126,11 +140,18 @@ class Env:
         return text
 
     def echo(self, text: str = "", *, err: bool = False, nl: bool = True) -> None:
-        click.echo(self.scrub(text), err=err, nl=nl)
+        if err not in self._streams:
+            self._streams[err] = _whole_writes(sys.stderr if err else sys.stdout)
+        click.echo(_visible(self.scrub(text)), file=self._streams[err], nl=nl)
 
     def emit_json(self, data: Any) -> None:
         """``data`` as indented JSON with sorted keys, on stdout."""
         self.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def _visible(text: str) -> str:
+    """``text`` with each control character shown as its escape (``\\x1b``)."""
+    return _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
 
 
 def _replacements(url: str) -> list[tuple[str, str]]:
@@ -154,6 +175,44 @@ def _replacements(url: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def _require_file_store(target: Target) -> None:
+    """Refuse a file store URL whose directory holds no store: opening it would create an
+    empty one, and ``leases`` would report no leases in it (a mistyped path, or another
+    user's default ``$TMPDIR/celery-dlock-<uid>``), ``doctor`` a healthy store.
+
+    Raises:
+        UsageFailure: the directory, or its ``locks`` directory, does not exist.
+    """
+    parts = urlsplit(target.url)
+    path = unquote(parts.path)
+    if parts.scheme != "file" or parts.netloc not in ("", "localhost") or not os.path.isabs(path):
+        return  # not a file store, or a URL that backend_from_url refuses with its reason
+    path = os.path.normpath(path)
+    if os.path.isdir(os.path.join(path, "locks")):
+        return
+    what = "no such directory" if not os.path.exists(path) else "it has no locks directory"
+    raise UsageFailure(
+        f"no file store at {path} ({what}; the URL from {target.source}): is it the right "
+        "store? Workers and `celery-dlock run` create it; this command does not"
+    )
+
+
+def _whole_writes(stream: TextIO) -> TextIO:
+    """``stream``, or when it writes straight to its file (``PYTHONUNBUFFERED=1``,
+    ``python -u``: Docker images set it) the same file through a buffered writer. An
+    unbuffered text stream takes a short ``write(2)`` for a whole one: when the reader of a
+    pipe went away (``| head``) in the middle of a long table, the rest was dropped with no
+    error, and the command exited 0 where ``cat`` exits 141. A buffered writer writes the
+    rest, and gets the ``EPIPE``."""
+    if not isinstance(getattr(stream, "buffer", None), io.FileIO):
+        return stream
+    stream.flush()
+    binary = open(stream.fileno(), "wb", closefd=False)  # noqa: SIM115 - kept by the Env
+    return io.TextIOWrapper(
+        binary, encoding=stream.encoding, errors=stream.errors, write_through=True
+    )
+
+
 def failure_text(exc: Exception) -> str:
     """One line for a failure: our own errors say what failed; others get their type.
     A driver's message over several lines (libpq's ``DETAIL:``...) is joined with ``; ``."""
@@ -164,13 +223,22 @@ def failure_text(exc: Exception) -> str:
 def guarded(command: F) -> F:
     """Run a command body with the group's :class:`Env` as first argument; turn every
     failure into one masked line (exit 2 for configuration, 1 for the rest) and close the
-    store afterwards."""
+    store afterwards. A file store that is not there is not created: the command says so."""
+    return _guarded(command, creates=False)
 
+
+def guarded_creating(command: F) -> F:
+    """:func:`guarded` for a command that may create the file store (``run``, ``migrate``)."""
+    return _guarded(command, creates=True)
+
+
+def _guarded(command: F, *, creates: bool) -> F:
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:
         env = click.get_current_context().find_object(Env)
         if env is None:
             raise click.UsageError("this command runs under `celery dlock` or `celery-dlock`")
+        env.creates = creates
         try:
             return command(env, *args, **kwargs)
         except (click.ClickException, click.exceptions.Exit, click.Abort):

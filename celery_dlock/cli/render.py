@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from celery_dlock.keys import is_mark
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = [
@@ -20,10 +22,14 @@ __all__ = [
     "MOST",
     "PROBLEM_OUTCOMES",
     "SINCE",
+    "display_width",
     "expires_text",
+    "for_queued_message",
+    "holder_gone",
     "holder_text",
     "human_duration",
     "lease_json",
+    "lease_lines",
     "local_time",
     "record_json",
     "table",
@@ -147,25 +153,50 @@ DURATION = DurationType()
 SINCE = SinceType()
 
 
-#: A cell wider than this does not widen its column: it runs over into the rest of its own
-#: row (still two spaces before the next cell), so that one long key pads no other row.
+#: A cell wider than this widens its column only where most of the column's cells are as
+#: wide (a Celery task's holder, ``name[uuid] on celery@host (pid N on host)``); else it runs
+#: over into the rest of its own row (still two spaces before the next cell), so that one
+#: long key pads no other row.
 WIDE_CELL = 48
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Plain columns aligned with two spaces, a header line in capitals, no colour; a cell
-    past :data:`WIDE_CELL` characters is shown whole, shifting only its own row."""
-    widths = [len(header) for header in headers]
-    for row in rows:
-        widths = [
-            max(width, len(cell)) if len(cell) <= WIDE_CELL else width
-            for width, cell in zip(widths, row, strict=True)
-        ]
+    past :data:`WIDE_CELL` columns is shown whole, shifting only its own row unless most
+    cells of its column are that wide too (then the column is as wide as its widest).
+    Widths are a terminal's columns (:func:`display_width`), not characters."""
+    by_column = list(zip(*rows, strict=True)) if rows else [() for _ in headers]
+    widths = [_width(header, cells) for header, cells in zip(headers, by_column, strict=True)]
     lines = [[header.upper() for header in headers], *rows]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        "  ".join(_pad(cell, width) for cell, width in zip(line, widths, strict=True)).rstrip()
         for line in lines
     )
+
+
+def display_width(text: str) -> int:
+    """The columns a terminal gives ``text``: two for a wide character (CJK, most emoji),
+    none for a combining one (an accent of a decomposed ``é``), one for the rest."""
+    if text.isascii():
+        return len(text)
+    return sum(
+        0 if unicodedata.combining(char) else 2 if unicodedata.east_asian_width(char) in "WF" else 1
+        for char in text
+    )
+
+
+def _pad(cell: str, width: int) -> str:
+    return cell + " " * (width - display_width(cell))
+
+
+def _width(header: str, cells: Sequence[str]) -> int:
+    """A column's width: its widest cell within :data:`WIDE_CELL`, or its widest of all
+    when most of its cells are wider."""
+    sizes = [display_width(cell) for cell in cells]
+    wide = [size for size in sizes if size > WIDE_CELL]
+    if 2 * len(wide) > len(cells):
+        return max(len(header), *wide)
+    return max([len(header)] + [size for size in sizes if size <= WIDE_CELL])
 
 
 def expires_text(lease: Lease, now: float) -> str:
@@ -177,11 +208,42 @@ def expires_text(lease: Lease, now: float) -> str:
     return f"in {human_duration(lease.expires_at - now)}"
 
 
+def lease_lines(lease: Lease, now: float) -> str:
+    """``lease`` as indented ``name value`` lines, for a person about to act on it."""
+    rows = [
+        ["key", lease.key],
+        ["holder", holder_text(lease)],
+        ["fence", str(lease.fence)],
+        [
+            "acquired",
+            f"{local_time(lease.acquired_at)} ({human_duration(now - lease.acquired_at)} ago)",
+        ],
+        ["expires", expires_text(lease, now)],
+    ]
+    return "\n".join(f"  {name:<9}{value}" for name, value in rows)
+
+
+def for_queued_message(lease: Lease) -> bool:
+    """True for a dedupe mark: once its message is on the broker it is held for that message
+    and lives by its ttl alone (``LockBackend.hand_over``); its holder names the producer
+    that sent it, whose end says nothing about the mark."""
+    return is_mark(lease.key, lease.holder.task_name)
+
+
+def holder_gone(lease: Lease) -> bool:
+    """True when ``lease`` is held for its holder's process and that process provably no
+    longer exists (``Holder.is_gone``); never for a mark held for a queued message."""
+    return not for_queued_message(lease) and lease.holder.is_gone()
+
+
 def holder_text(lease: Lease) -> str:
     """The holder's description, marked ``[gone]`` when it is provably dead (a process of
-    this host that no longer exists; see ``Holder.is_gone``)."""
+    this host that no longer exists), or ``[queued message]`` for a dedupe mark, which lives
+    by its ttl for its message whatever became of the producer named."""
     text = lease.holder.describe()
-    return f"{text} [gone]" if lease.holder.is_gone() else text
+    if for_queued_message(lease):
+        return f"{text} [queued message]"
+    return f"{text} [gone]" if holder_gone(lease) else text
 
 
 #: Characters of a lease's metadata shown in a table cell (``--json`` has all of it).
@@ -206,13 +268,15 @@ def _clip(text: str) -> str:
 
 
 def lease_json(lease: Lease, now: float) -> dict[str, Any]:
-    """``Lease.to_dict()`` plus ``holder_text``, ``holder_gone``, ``acquired``, ``age``,
-    ``expires_in`` (seconds, None for no expiry), ``expired`` and ``metadata``."""
+    """``Lease.to_dict()`` plus ``holder_text``, ``holder_gone``, ``queued_message`` (a
+    dedupe mark, alive by its ttl for its message: never ``holder_gone``), ``acquired``,
+    ``age``, ``expires_in`` (seconds, None for no expiry), ``expired`` and ``metadata``."""
     data = lease.to_dict()
     data.update(
         metadata=lease.metadata,
         holder_text=lease.holder.describe(),
-        holder_gone=lease.holder.is_gone(),
+        holder_gone=holder_gone(lease),
+        queued_message=for_queued_message(lease),
         acquired=iso_time(lease.acquired_at),
         age=max(now - lease.acquired_at, 0.0),
         expires_in=None if lease.expires_at is None else lease.expires_at - now,

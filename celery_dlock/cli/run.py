@@ -9,6 +9,10 @@ as the command exits, on every way out, recorded with the outcome: ``succeeded``
 that is SIGKILLed releases nothing: the store's liveness frees the key (its session or process
 ends, or its ttl runs out) and the janitor records it; on Linux its command is SIGKILLed with
 it (``PR_SET_PDEATHSIG``), so that the next run cannot overlap a command whose lock is gone.
+A lease lost while the command runs (its Postgres session ended, a renewal found it expired
+or force-released) stops the command for the same reason: SIGTERM at once, SIGKILL
+``--lost-grace`` seconds later (:data:`LOST_GRACE` by default; 0 kills at once); the release
+is recorded ``lost``, naming how it ended.
 The command finds the key and the lease's fence in ``DLOCK_KEY`` and ``DLOCK_FENCE``.
 
 Ctrl-C on a terminal signals the whole foreground process group, the command included (it
@@ -18,10 +22,12 @@ the runner alone (``kill -INT``) while it runs in its terminal's foreground is t
 passed on either: send SIGTERM to stop it from elsewhere.
 
 Exit codes: the command's own (128 + N when a signal N ended it); 75 (EX_TEMPFAIL) when the
-key stayed busy; 69 (EX_UNAVAILABLE) when the store failed before the command started; 127
-when the command could not be started (recorded ``failed``); 130 when Ctrl-C stopped the wait
-for the key (the command is not run, nothing is held); 2 for bad usage. With ``--once``, a
-key whose command succeeded before exits 0 at once without running it again.
+key stayed busy (recorded ``skipped``, problem ``locked``, as a task's ``on_locked="skip"``);
+69 (EX_UNAVAILABLE) when the store failed before the command started; 127 when the command
+was not found, 126 when it could not be started otherwise (both recorded ``failed``); 130
+when Ctrl-C stopped the wait for the key (the command is not run, nothing is held); 2 for
+bad usage. With ``--once``, a key whose command succeeded before exits 0 at once without
+running it again.
 
 The command's stderr is copied to ours until the command exits: a background process it
 leaves holding that stderr does not keep the key (what it writes later has no reader).
@@ -39,18 +45,20 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import click
 
-from celery_dlock.cli.env import EXIT_INTERRUPTED, Env, UsageFailure, guarded
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.cli.env import EXIT_INTERRUPTED, Env, UsageFailure, guarded_creating
+from celery_dlock.cli.render import DURATION
 from celery_dlock.errors import DLockError, LockNotAcquiredError
 from celery_dlock.keys import validate_key
 from celery_dlock.lock import Lock
 from celery_dlock.records import Holder, Lease, Outcome
 
-__all__ = ["EXIT_BUSY", "EXIT_STORE", "RUN_TASK", "run"]
+__all__ = ["EXIT_BUSY", "EXIT_STORE", "LOST_GRACE", "RUN_TASK", "run"]
 
 #: Exit code when the key stayed busy (sysexits' EX_TEMPFAIL: try again later).
 EXIT_BUSY = 75
@@ -58,6 +66,10 @@ EXIT_BUSY = 75
 EXIT_STORE = 69
 #: The task name of the runner's leases, under which ``--once`` keeps a success.
 RUN_TASK = "celery-dlock run"
+#: Seconds between the SIGTERM and the SIGKILL of a command whose lease was lost, by default.
+LOST_GRACE = 10.0
+#: Seconds between the runner's reads of its own lease while the command runs.
+WATCH_EVERY = 1.0
 #: Bytes of the command's stderr kept for the record of a failure.
 STDERR_TAIL = 4096
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -73,11 +85,44 @@ _PR_SET_PDEATHSIG = 1
     "--wait", type=float, default=0.0, show_default=True, help="Seconds to wait for the key."
 )
 @click.option("--once", is_flag=True, help="Run at most one success of this key, ever.")
-@guarded
+@click.option(
+    "--lost-grace",
+    # A duration (not any float): nan killed at once and inf never (the timer's thread
+    # died with an OverflowError), leaving a command that ignores SIGTERM beside the next.
+    type=DURATION,
+    default=LOST_GRACE,
+    show_default=True,
+    help="Seconds from the SIGTERM to the SIGKILL of a command whose lease was lost.",
+)
+@guarded_creating
 def run(
-    env: Env, key: str, command: tuple[str, ...], *, ttl: float | None, wait: float, once: bool
+    env: Env,
+    key: str,
+    command: tuple[str, ...],
+    *,
+    ttl: float | None,
+    wait: float,
+    once: bool,
+    lost_grace: float,
 ) -> None:
     """Run COMMAND holding the lock KEY (given in full, e.g. job:backup:nightly)."""
+    words = _words(key, command)
+    backend = env.backend
+    if ttl is None and backend.capabilities.liveness == "lease" and backend.default_ttl is None:
+        raise UsageFailure(
+            f"the {backend.name} store frees a dead holder's key only when its lease "
+            "expires: give --ttl SECONDS (renewed while the command runs)"
+        )
+    holder = Holder.current(task_name=RUN_TASK)
+    guard = _Guard(lost_grace)
+    lock = Lock(backend, key, ttl, wait, holder=holder, on_lost=guard.lost)
+    lease = _take(env, lock, once)
+    if lease is not None:
+        raise click.exceptions.Exit(_run_holding(lock, lease, words, once, guard))
+
+
+def _words(key: str, command: tuple[str, ...]) -> list[str]:
+    """The command to run, once KEY and it are known to be usable."""
     try:
         validate_key(key)
     except DLockError as exc:
@@ -87,25 +132,29 @@ def run(
     words = command[1:] if command[:1] == ("--",) else command
     if not words:
         raise UsageFailure("no command: celery-dlock run KEY -- COMMAND ARGS...")
-    backend = env.backend
-    if ttl is None and backend.capabilities.liveness == "lease" and backend.default_ttl is None:
-        raise UsageFailure(
-            f"the {backend.name} store frees a dead holder's key only when its lease "
-            "expires: give --ttl SECONDS (renewed while the command runs)"
-        )
-    holder = Holder.current(task_name=RUN_TASK)
-    lock = Lock(env.backend, key, ttl, wait, holder=holder, on_lost=_lost)
+    return list(words)
+
+
+def _take(env: Env, lock: Lock, once: bool) -> Lease | None:
+    """The lease to run the command under; None when ``--once`` finds a success before.
+
+    Raises:
+        click.exceptions.Exit: the key stayed busy, Ctrl-C came, or the store failed.
+    """
+    key = lock.key
     try:
         if once and lock.last_success(RUN_TASK) is not None:
             env.echo(f"{key}: the command succeeded before (--once): not run again")
-            return
+            return None
         lease = lock.acquire()
         if once and lock.last_success(RUN_TASK) is not None:  # succeeded while we waited
             lock.release(Outcome.SKIPPED, "once", "the command succeeded before (--once)")
             env.echo(f"{key}: the command succeeded before (--once): not run again")
-            return
+            return None
     except LockNotAcquiredError as exc:
         env.echo(f"{key} is busy: {exc}", err=True)
+        with contextlib.suppress(DLockError):  # the history is a courtesy: 75 says it all
+            lock.record_skip("locked", f"the command was not run: {exc}")
         raise click.exceptions.Exit(EXIT_BUSY) from None
     except KeyboardInterrupt:
         if lock.lease is not None:  # taken just as Ctrl-C came: given back at once
@@ -116,31 +165,14 @@ def run(
     except DLockError as exc:
         env.echo(f"the lock store failed: {exc}", err=True)
         raise click.exceptions.Exit(EXIT_STORE) from None
-    raise click.exceptions.Exit(_run_holding(lock, lease, list(words), once))
+    return lease
 
 
-def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
+def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool, guard: _Guard) -> int:
     """Run the command under ``lease``; release with its outcome; its exit code."""
     stopping: list[int] = []
     started: list[subprocess.Popen[bytes]] = []
-
-    def forward(signum: int, _frame: Any) -> None:
-        stopping.append(signum)
-        name = signal.Signals(signum).name
-        if _from_terminal(signum):
-            _say(f"{lease.key}: {name} from the terminal: the command got it too")
-        elif started:
-            started[0].send_signal(signum)
-            _say(f"{lease.key}: {name} passed to the command")
-
-    # Installed before the command starts: a signal in between is not lost (nor a traceback).
-    # One we were started ignoring stays ignored, for the command too (`nohup` ignores SIGHUP).
-    previous = {
-        number: signal.signal(number, forward)
-        for number in _FORWARDED
-        if signal.getsignal(number) is not signal.SIG_IGN
-    }
-    try:
+    with _forwarding(lease.key, stopping, started):
         try:
             process = subprocess.Popen(
                 words,
@@ -151,25 +183,58 @@ def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool) -> int:
         except OSError as exc:
             lock.release(Outcome.FAILED, type(exc).__name__, f"could not start {words[0]}: {exc}")
             click.echo(f"cannot run {shlex.join(words)}: {exc}", err=True)
-            return 127
+            return 127 if isinstance(exc, FileNotFoundError) else 126  # as sh(1) does
         started.append(process)
         if stopping:  # came before the command existed: even a terminal's missed it
             process.send_signal(stopping[0])
+        guard.started(process)
         tail = _Tail(process.stderr)  # type: ignore[arg-type]
+        watch = _Watch(lock.backend, lease, guard.lost)
         try:
             status = process.wait()
         finally:
+            watch.stop()
+            guard.ended()
             tail.finish()
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    outcome, problem, details = _ending(status, stopping, tail.text())
+    if guard.stopped:
+        stopping.append(signal.SIGTERM)
+    outcome, problem, details = _ending(status, stopping, tail.text(), guard.stopped)
     result = {"exit": status} if once and outcome is Outcome.SUCCEEDED else None
     try:
         lock.release(outcome, problem, details, result)
     except DLockError as exc:
         click.echo(f"could not record the end of {lease.key}: {exc}", err=True)
     return status if status >= 0 else 128 - status
+
+
+@contextlib.contextmanager
+def _forwarding(
+    key: str, stopping: list[int], started: list[subprocess.Popen[bytes]]
+) -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP noted in ``stopping`` and passed to the command once
+    ``started`` holds it (not when the terminal sent them to its whole group)."""
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        name = signal.Signals(signum).name
+        if _from_terminal(signum):
+            _say(f"{key}: {name} from the terminal: the command got it too")
+        elif started:
+            started[0].send_signal(signum)
+            _say(f"{key}: {name} passed to the command")
+
+    # Installed before the command starts: a signal in between is not lost (nor a traceback).
+    # One we were started ignoring stays ignored, for the command too (`nohup` ignores SIGHUP).
+    previous = {
+        number: signal.signal(number, forward)
+        for number in _FORWARDED
+        if signal.getsignal(number) is not signal.SIG_IGN
+    }
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _say(text: str) -> None:
@@ -212,26 +277,111 @@ def _die_with(runner: int) -> Callable[[], None] | None:
     return tie
 
 
-def _ending(status: int, stopping: list[int], stderr: str) -> tuple[Outcome, str | None, str]:
+def _ending(
+    status: int, stopping: list[int], stderr: str, lost: bool = False
+) -> tuple[Outcome, str | None, str]:
+    why = "the runner lost its lease" if lost else ""
     if stopping and status >= 0:  # it stopped on its own terms when told to: not a success
-        told = signal.Signals(stopping[0]).name
-        return Outcome.REVOKED, f"exit {status}", f"exit {status} (the runner got {told})"
+        told = why or f"the runner got {signal.Signals(stopping[0]).name}"
+        return Outcome.REVOKED, f"exit {status}", f"exit {status} ({told})"
     if status == 0:
         return Outcome.SUCCEEDED, None, "exit 0"
     if status < 0:
         name = signal.Signals(-status).name
-        told = f" (the runner got {signal.Signals(stopping[0]).name})" if stopping else ""
+        told = why or (f"the runner got {signal.Signals(stopping[0]).name}" if stopping else "")
+        told = f" ({told})" if told else ""
         outcome = Outcome.REVOKED if stopping else Outcome.FAILED
         return outcome, f"signal {name}", f"ended by {name}{told}\n{stderr}".rstrip()
     return Outcome.FAILED, f"exit {status}", f"exit {status}\n{stderr}".rstrip()
 
 
-def _lost(lease: Lease) -> None:
-    click.echo(
-        f"warning: the lease on {lease.key} (fence {lease.fence}) was lost while the command "
-        "runs: another holder may run now",
-        err=True,
-    )
+class _Guard:
+    """Stops the command when the lease is lost while it runs (``on_lost``, called from a
+    renewal or session-watching thread): another holder may start it now. SIGTERM at once,
+    SIGKILL after ``grace`` seconds if it is still running."""
+
+    def __init__(self, grace: float = LOST_GRACE) -> None:
+        self._grace = grace
+        self._mutex = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._lost: Lease | None = None
+        self._kill: threading.Timer | None = None
+        #: True once the command was told to stop because the lease was lost.
+        self.stopped = False
+
+    def lost(self, lease: Lease) -> None:
+        with self._mutex:
+            self._lost = lease
+            process = self._process
+        if process is not None:
+            self._stop(process, lease)
+
+    def started(self, process: subprocess.Popen[bytes]) -> None:
+        with self._mutex:
+            self._process = process
+            lease = self._lost
+        if lease is not None:  # lost between the acquire and the start
+            self._stop(process, lease)
+
+    def _stop(self, process: subprocess.Popen[bytes], lease: Lease) -> None:
+        with self._mutex:
+            if self.stopped or process.returncode is not None:
+                return
+            self.stopped = True
+            # Popen.send_signal does nothing once the command is reaped: the timer never
+            # kills a pid reused by another process.
+            kill = self._kill = threading.Timer(self._grace, process.send_signal, (signal.SIGKILL,))
+            kill.daemon = True
+        _say(
+            f"error: the lease on {lease.key} (fence {lease.fence}) was lost while the command "
+            f"runs: another holder may run now; stopping the command (SIGTERM, SIGKILL in "
+            f"{self._grace:g} s)"
+        )
+        process.send_signal(signal.SIGTERM)
+        kill.start()
+
+    def ended(self) -> None:
+        """The command exited: no SIGKILL after all (its pid may be another's soon)."""
+        with self._mutex:
+            self._process = None
+            kill = self._kill
+        if kill is not None:
+            kill.cancel()
+
+
+class _Watch:
+    """Reads ``lease`` back every :data:`WATCH_EVERY` seconds while the command runs and
+    calls ``lost(lease)`` once the key is free or another's. A forced release is otherwise
+    learnt only by a store that watches its holders (Postgres sessions) or at the next
+    renewal (every ttl/3: 20 s on Redis's default 60 s), and on the file store without a
+    ttl never: the command ran on beside the next holder. A store that fails to answer is
+    asked again; its renewal, if any, reports a lease that ran out."""
+
+    def __init__(self, backend: LockBackend, lease: Lease, lost: Callable[[Lease], None]) -> None:
+        self._backend = backend
+        self._lease = lease
+        self._lost = lost
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="dlock-run-watch", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        token = self._lease.token
+        while not self._stopped.wait(WATCH_EVERY):
+            try:
+                current = self._backend.get(self._lease.key)
+            except DLockError:
+                continue
+            if current is None or current.token != token:
+                if not self._stopped.is_set():  # not the runner's own release
+                    self._lost(self._lease)
+                return
+
+    def stop(self) -> None:
+        """The command exited: stop watching before the lease is released. Not joined: a
+        read under way may wait for a slow store, and what it finds then is ignored (the
+        guard stops no command that has exited)."""
+        self._stopped.set()
 
 
 class _Tail:

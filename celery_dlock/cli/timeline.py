@@ -234,6 +234,8 @@ def timeline(
     chosen = env.target.prefix if prefix is None else prefix
     backend = env.backend
     until = time.time()
+    if since >= until:  # the picture would run backwards: every bar squeezed to its edge
+        raise UsageFailure(f"--since {local_time(since)} is not in the past")
     records = newest_matching(backend, chosen, since=since, limit=limit)
     bars = [Bar.of(record) for record in records]
     bars += [Bar(lease, lease.acquired_at, until, "held") for lease in backend.leases(chosen)]

@@ -34,6 +34,7 @@ from celery_dlock.cli.render import (
     PROBLEM_OUTCOMES,
     SINCE,
     expires_text,
+    holder_gone,
     holder_text,
     human_duration,
     local_time,
@@ -194,6 +195,8 @@ def _page(default_prefix: str) -> Page:
     problems = args.get("problems", "").lower()
     if problems not in (*_YES, "", "0", "off", "false", "no"):
         abort(400, "problems: 1 or 0 (on/off, true/false, yes/no)")
+    if problems in _YES and outcome is not None and outcome.value not in _PROBLEMS:
+        abort(400, f"outcome: {outcome.value} is not a problem (problems: {', '.join(_PROBLEMS)})")
     since = _time(args.get("since", "1h"), "since")
     until = _time(args["until"], "until") if args.get("until") else time.time()
     if until <= since:
@@ -247,7 +250,7 @@ def _lease_row(lease: Any, now: float) -> dict[str, Any]:
         "key": lease.key,
         "token": lease.token,
         "holder": holder_text(lease),
-        "gone": lease.holder.is_gone(),
+        "gone": holder_gone(lease),
         "age": human_duration(now - lease.acquired_at),
         "fence": lease.fence,
         "expires": expires_text(lease, now),

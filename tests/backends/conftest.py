@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -67,3 +67,50 @@ def schema(admin: Any) -> Iterator[str]:
     name = f"dlock_t_{os.urandom(6).hex()}"
     yield name
     drop_schema(admin, name)
+
+
+@pytest.fixture(params=["file", "memory", "postgres", "redis"])
+def lock_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """A backend of each store the lock tests outside this directory run on (file, memory,
+    Postgres, Redis); a test module takes it as its own ``backend``."""
+    with STORES[request.param].open_store(tmp_path, request) as case:
+        try:
+            yield case.backend
+        finally:
+            case.backend.close()
+
+
+@pytest.fixture
+def backends(schema: str) -> Iterator[Callable[..., Any]]:
+    """Makes Postgres backends on ``schema`` (migrated once), each a client of its own,
+    closed at the end: ``backends()``, or ``backends(other_url, **options)``."""
+    from celery_dlock.backends.postgres import PostgresBackend
+    from tests.backends.stores.postgres import SERVER_URL, with_options
+
+    url = with_options(SERVER_URL, schema=schema)
+    made: list[PostgresBackend] = []
+
+    def make(target: str | None = None, **options: Any) -> PostgresBackend:
+        backend = PostgresBackend.from_url(target or url, **options)
+        if not made:
+            backend.migrate()
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+@pytest.fixture
+def postgres_backend(schema: str) -> Iterator[Any]:
+    """A Postgres backend on ``schema``, migrated by this code, closed afterwards."""
+    from celery_dlock.backends.postgres import PostgresBackend
+    from tests.backends.stores.postgres import SERVER_URL, with_options
+
+    backend = PostgresBackend.from_url(with_options(SERVER_URL, schema=schema))
+    try:
+        backend.migrate()
+        yield backend
+    finally:
+        backend.close()

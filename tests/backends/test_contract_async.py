@@ -191,7 +191,7 @@ def test_a_limit_gives_each_holder_a_slot(store: StoreCase) -> None:
     asyncio.run(scenario())
 
 
-def test_50_coroutines_and_4_processes_on_one_key_never_overlap(
+def test_coroutines_and_4_processes_on_one_key_never_overlap(
     store: StoreCase, tmp_path: Path
 ) -> None:
     url = needs_processes(store)
@@ -199,7 +199,9 @@ def test_50_coroutines_and_4_processes_on_one_key_never_overlap(
     counter, log, start = tmp_path / "counter", tmp_path / "fences", tmp_path / "start"
     counter.write_text("0")
     log.write_text("")
-    rounds, coroutines = 10, 50
+    # A store whose waits poll (the object stores) hands the key over in tens of ms: fewer
+    # contenders there keep the test under 20 s, and the overlap check just as strict.
+    rounds, coroutines = (10, 50) if store.backend.capabilities.push_wait else (5, 20)
     args = [url, key, str(rounds), str(counter), str(log), str(start)]
     script = str(HELPERS / "contend.py")
     processes = [subprocess.Popen([sys.executable, script, *args]) for _ in range(4)]

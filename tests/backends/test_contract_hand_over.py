@@ -60,6 +60,28 @@ def test_a_lease_handed_over_is_released_by_its_token(store: StoreCase) -> None:
     assert again is not None  # nothing of it stays behind
 
 
+def test_hand_over_never_shortens_a_lease_but_renew_does(store: StoreCase) -> None:
+    """A worker that took a dedupe mark's message lengthens the mark to ``dedupe_ttl``,
+    sometimes before the producer hands it over for the message's shorter ``expires``: the
+    later, shorter hand-over keeps the longer expiry. Before, it cut it to the shorter."""
+    backend = store.backend
+    lease = backend.try_acquire("job:handed-longer", holder(), 60)
+    assert lease is not None and lease.expires_at is not None
+    longer = backend.hand_over(lease, HANDED_TTL)
+    assert longer is not None and longer.expires_at is not None
+    assert longer.expires_at > lease.expires_at + HANDED_TTL - 120
+    later = backend.hand_over(lease, 30)
+    assert later is not None and later.expires_at == pytest.approx(longer.expires_at, abs=0.002)
+    held = backend.get("job:handed-longer")
+    assert held is not None and held.token == lease.token
+    assert held.expires_at == pytest.approx(longer.expires_at, abs=0.002)
+    shortened = backend.renew(lease, 30)
+    assert shortened is not None and shortened.expires_at is not None
+    assert shortened.expires_at < longer.expires_at - HANDED_TTL + 120
+    again = backend.get("job:handed-longer")
+    assert again is not None and again.expires_at == pytest.approx(shortened.expires_at, abs=0.002)
+
+
 def test_hand_over_of_a_lease_no_longer_ours_is_none(store: StoreCase) -> None:
     backend = store.backend
     lease = backend.try_acquire("job:handed-gone", holder(), None)

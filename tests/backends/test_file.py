@@ -10,6 +10,8 @@ import os
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -438,3 +440,111 @@ def test_a_success_the_full_disk_cannot_keep_is_refused_before_any_record(
     kept = backend.last_success("job:kept", "tasks.charge")
     assert kept is not None and kept.result == {"charged": 42}
     backend.close()
+
+
+def test_a_client_that_kept_a_collected_file_open_takes_its_key_in_the_new_file(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    other = FileBackend(str(tmp_path / "locks"), clock=clock)
+    assert other.get("job:kept-open") is None  # `other` opens the file and keeps it open
+    clock.advance(backend.gc_after + 1)
+    assert backend.reap() == []
+    assert not (tmp_path / "locks" / "locks" / file_name("job:kept-open")).exists()
+    taken = other.try_acquire("job:kept-open", Holder.current(), None)
+    assert taken is not None
+    by_path = FileBackend(str(tmp_path / "locks"), clock=clock).get("job:kept-open")
+    assert by_path is not None and by_path.token == taken.token
+
+
+def test_a_client_that_kept_a_file_deleted_by_hand_open_sees_the_new_holder(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    """Found in review: a lock file deleted by hand (an operator, a /tmp cleaner) while a
+    process kept it open; the process went on with the deleted file, whose flock no one
+    else takes, and granted the key held in the new file (two holders at once)."""
+    lease = backend.try_acquire("job:by-hand", Holder.current(), None)
+    assert lease is not None
+    backend.release(lease, Outcome.SUCCEEDED)  # `backend` keeps the file open
+    (tmp_path / "locks" / "locks" / file_name("job:by-hand")).unlink()
+    other = FileBackend(str(tmp_path / "locks"), clock=clock)
+    held = other.try_acquire("job:by-hand", Holder.current(), None)
+    assert held is not None
+    assert backend.try_acquire("job:by-hand", Holder.current(), None) is None
+    assert backend.get("job:by-hand") == held
+
+
+def test_a_file_whose_collector_died_before_the_unlink_is_free_and_keeps_its_fence(
+    backend: FileBackend, clock: FakeClock, tmp_path: Path
+) -> None:
+    lease = backend.try_acquire("job:half-collected", Holder.current(), None)
+    assert lease is not None
+    backend.release(lease, Outcome.SUCCEEDED)
+    path = tmp_path / "locks" / "locks" / file_name("job:half-collected")
+    # What reap() leaves when killed between marking the file collected and unlinking it.
+    mark = {"key": "job:half-collected", "fence": lease.fence, "collected": True}
+    path.write_text(json.dumps(mark))
+    other = FileBackend(str(tmp_path / "locks"), clock=clock)  # nothing cached
+    again = other.try_acquire("job:half-collected", Holder.current(), None)
+    assert again is not None and again.fence == lease.fence + 1
+    assert backend.try_acquire("job:half-collected", Holder.current(), None) is None
+
+
+def test_a_forked_child_never_takes_a_token_its_parent_takes(backend: FileBackend) -> None:
+    first = backend.try_acquire("job:token-parent", Holder.current(), None)
+    assert first is not None
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report the token of its next lease
+        code = 0
+        try:
+            lease = backend.try_acquire("job:token-child", Holder.current(), None)
+            os.write(writer, b"" if lease is None else lease.token.encode())
+        except BaseException:
+            code = 5
+        os._exit(code)
+    os.close(writer)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    with os.fdopen(reader, "rb") as child:
+        child_token = child.read().decode()
+    mine = backend.try_acquire("job:token-parent-2", Holder.current(), None)
+    assert mine is not None and len(child_token) == 32
+    assert child_token != mine.token
+
+
+def test_a_descriptor_in_use_is_never_closed_by_another_threads_eviction(tmp_path: Path) -> None:
+    # A clock that holds the first acquire of job:slow inside its step (its file locked and
+    # in use) while another thread opens more keys than the descriptor cache keeps.
+    inside, go_on = threading.Event(), threading.Event()
+    slow = threading.current_thread()
+
+    def clock() -> float:
+        if threading.current_thread() is slow and not inside.is_set():
+            inside.set()
+            go_on.wait(30)
+        return time.time()
+
+    backend = FileBackend(str(tmp_path / "locks"), clock=clock)
+    busy = backend._files.get().stripe("job:slow")  # its keys would wait for job:slow
+
+    def others() -> None:
+        inside.wait(30)
+        keys = [f"job:other-{n}" for n in range(2000)]
+        for key in [k for k in keys if backend._files.get().stripe(k) is not busy][:600]:
+            lease = backend.try_acquire(key, Holder.current(), None)
+            assert lease is not None
+            backend.release(lease, Outcome.SUCCEEDED)
+        go_on.set()
+
+    thread = threading.Thread(target=others)
+    thread.start()
+    try:
+        lease = backend.try_acquire("job:slow", Holder.current(), None)
+    finally:
+        go_on.set()
+        thread.join()
+    assert lease is not None
+    fresh = FileBackend(str(tmp_path / "locks"))  # nothing cached
+    current = fresh.get("job:slow")
+    assert current is not None and current.token == lease.token
+    assert all(fresh.get(f"job:other-{n}") is None for n in range(2000))

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,23 +41,6 @@ Backends = Callable[..., PostgresBackend]
 @pytest.fixture
 def url(schema: str) -> str:
     return with_options(SERVER_URL, schema=schema)
-
-
-@pytest.fixture
-def backends(url: str) -> Iterator[Backends]:
-    """Makes backends on the test schema (migrated once), closed at the end."""
-    made: list[PostgresBackend] = []
-
-    def make(target: str | None = None, **options: Any) -> PostgresBackend:
-        backend = PostgresBackend.from_url(target or url, **options)
-        if not made:
-            backend.migrate()
-        made.append(backend)
-        return backend
-
-    yield make
-    for backend in made:
-        backend.close()
 
 
 @pytest.fixture

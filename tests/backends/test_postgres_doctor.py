@@ -13,15 +13,11 @@ from typing import Any
 import pytest
 
 from celery_dlock.backends import backend_from_url
-from celery_dlock.backends.base import Check
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.records import Holder
+from tests.support.doctor import by_name
 from tests.support.pgbouncer import pgbouncer
 from tests.support.services import POSTGRES_URL, with_options
-
-
-def by_name(checks: list[Check]) -> dict[str, Check]:
-    return {check.name: check for check in checks}
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -17,24 +16,16 @@ import pytest
 from celery_dlock import Lock, Outcome
 from celery_dlock.backends.base import MAX_TTL
 from celery_dlock.backends.postgres import PostgresBackend
-from tests.backends.stores.postgres import SERVER_URL, admin_connection, drop_schema, with_options
+from tests.backends.stores.postgres import SERVER_URL
 from tests.support import eventually
 
 PSQL = shutil.which("psql")
 
 
 @pytest.fixture
-def store() -> Iterator[tuple[PostgresBackend, str]]:
-    admin = admin_connection()
-    schema = f"dlock_t_{os.urandom(6).hex()}"
-    backend = PostgresBackend.from_url(with_options(SERVER_URL, schema=schema))
-    try:
-        backend.migrate()
-        yield backend, schema
-    finally:
-        backend.close()
-        drop_schema(admin, schema)
-        admin.close()
+def store(postgres_backend: PostgresBackend, schema: str) -> tuple[PostgresBackend, str]:
+    """A migrated backend and its schema (``tests/backends/conftest.py``)."""
+    return postgres_backend, schema
 
 
 def psql(script: str) -> subprocess.Popen[str]:

@@ -31,7 +31,6 @@ from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.backends.test_postgres import (
     Backends,
     backend,  # noqa: F401
-    backends,  # noqa: F401
     holder,
     session_pid,
     url,  # noqa: F401

@@ -17,20 +17,16 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from celery_dlock.backends.base import Check
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Holder
+from tests.support.doctor import by_name
 from tests.support.pgbouncer import pgbouncer
+from tests.support.releases import commit_tree
 from tests.support.services import POSTGRES_URL, with_options
 
-REPO = Path(__file__).resolve().parents[2]
 #: The first commit whose Postgres store works (its schema is the one upgraded from).
 FIRST_POSTGRES = "cfd5c464dc616ac832a3c34bb4526c1234d0e53b"
-
-
-def by_name(checks: list[Check]) -> dict[str, Check]:
-    return {check.name: check for check in checks}
 
 
 def as_role(url: str, role: str) -> str:
@@ -328,6 +324,8 @@ def test_doctor_says_a_session_pooler_s_keepalives_watch_the_holders(schema: str
 
 _FILL = """
 import json, sys
+import celery_dlock
+assert celery_dlock.__file__.startswith(sys.argv[2]), celery_dlock.__file__  # the old code
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.records import Holder
 store = PostgresBackend.from_url(sys.argv[1])
@@ -350,16 +348,8 @@ store.close()
 
 @pytest.fixture
 def first_version(tmp_path: Path) -> Path:
-    """The tree of the first Postgres commit (``git archive``: the repository is untouched)."""
-    tree = tmp_path / "first"
-    tree.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", FIRST_POSTGRES], capture_output=True, check=False
-    )
-    if archive.returncode != 0:
-        pytest.skip(f"no commit {FIRST_POSTGRES[:7]} here: {archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    return tree
+    """The tree of the first Postgres commit."""
+    return commit_tree(FIRST_POSTGRES, tmp_path / "first")
 
 
 def test_an_upgrade_from_the_first_schema_keeps_leases_successes_history_and_exclusion(
@@ -367,8 +357,9 @@ def test_an_upgrade_from_the_first_schema_keeps_leases_successes_history_and_exc
 ) -> None:
     url = with_options(POSTGRES_URL, schema=schema)
     with subprocess.Popen(
-        [sys.executable, "-c", _FILL, url],
+        [sys.executable, "-c", _FILL, url, str(first_version)],
         env={**os.environ, "PYTHONPATH": str(first_version)},
+        cwd=first_version,  # `python -c` puts the working directory first on sys.path
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -562,6 +562,39 @@ def test_an_acquire_lost_beyond_retries_leaves_no_orphan(lossy: CountingProxy, p
     check.close()
 
 
+@CLIENTS
+def test_an_acquire_failing_while_an_orphan_is_settled_names_its_own_key(
+    lossy: CountingProxy, prefix: str, client: str
+) -> None:
+    # An acquire first releases the orphans of acquires whose reply was lost; with the store
+    # still down, the error is this acquire's, not that release's of another key.
+    backend = open_backend(prefix, via(lossy), retries=0)
+    if client == "blocking":
+        with pytest.raises(BackendError):
+            acquire_losing_its_reply(backend, lossy, client, "job:orphan", None)
+        lossy.refuse()
+        with pytest.raises(BackendError) as raised:
+            backend.try_acquire("job:next", holder(), None)
+    else:
+        store = backend.async_store()
+        assert store is not None
+
+        async def both() -> pytest.ExceptionInfo[BackendError]:  # one loop: its connections
+            await load_scripts_async(store)
+            lossy.drop_next_reply()
+            with pytest.raises(BackendError):
+                await store.try_acquire("job:orphan", holder(), None)
+            lossy.refuse()
+            with pytest.raises(BackendError) as raised:
+                await store.try_acquire("job:next", holder(), None)
+            return raised
+
+        raised = asyncio.run(both())
+    assert "'job:next'" in str(raised.value) and "job:orphan" not in str(raised.value)
+    lossy.accept()
+    backend.close()
+
+
 class Interrupt(BaseException):
     """Raised between a command's send and its read, as a Celery soft time limit can be."""
 
@@ -756,6 +789,28 @@ def test_an_expired_and_retaken_lease_is_dead_to_its_old_holder(prefix: str) -> 
     assert outcomes == [(new.token, Outcome.FORCED), (old.token, Outcome.EXPIRED)]
     old_holder.close()
     new_holder.close()
+
+
+def test_with_restart_delay_0_a_key_without_state_still_waits_out_a_quarantine(
+    prefix: str, raw: Any
+) -> None:
+    # restart_delay=0 turns off the guard this client would begin, not a quarantine that
+    # another client (restart_delay > 0) began: a key without state is refused while it
+    # stands. The acquire script tests it apart from its early check, which restart_delay=0
+    # skips (the test is not dead code there).
+    quarantine = Layout(prefix).names("job:new").quarantine
+    unguarded = open_backend(prefix, restart_delay=0)
+    first = unguarded.try_acquire("job:known", holder(), 30)
+    assert first is not None  # the epoch is noted, and seen by this client
+    assert unguarded.release(first, Outcome.SUCCEEDED) is not None
+    raw.set(quarantine, "1", px=60_000)
+    newcomer = open_backend(prefix, restart_delay=0)  # has seen no epoch yet
+    assert newcomer.try_acquire("job:new", holder(), 30) is None
+    assert unguarded.try_acquire("job:also-new", holder(), 30) is None
+    raw.delete(quarantine)
+    assert newcomer.try_acquire("job:new", holder(), 30) is not None
+    unguarded.close()
+    newcomer.close()
 
 
 def test_a_holder_cut_off_from_redis_loses_its_lease_by_redis_clock(

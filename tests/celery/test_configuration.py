@@ -4,6 +4,8 @@ when the task is defined or the app configured; the default store."""
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 import uuid
 from typing import Any
 
@@ -14,8 +16,9 @@ from celery_dlock import (
     ConfigurationError,
     LockedTask,
     LockKeyError,
+    UnknownBackendError,
 )
-from celery_dlock.celery.settings import settings
+from celery_dlock.celery.settings import backend_for, settings
 
 
 @pytest.fixture
@@ -104,6 +107,18 @@ def test_bad_settings_are_named(name: str, value: Any, message: str) -> None:
     app.conf[name] = value
     with pytest.raises(ConfigurationError, match=message):
         settings(app)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
+def test_a_store_url_of_an_unknown_scheme_is_refused_naming_the_setting_and_its_url() -> None:
+    app = Celery("settings", set_as_current=False)
+    app.conf.dlock_backend = "postgress://app:s3cret@db/app"
+    with pytest.raises(UnknownBackendError) as info:  # its own class, as before
+        backend_for(app)
+    shown = "".join(traceback.format_exception(info.value))  # what a stopped worker prints
+    assert "no lock backend for URL scheme 'postgress'; did you mean 'postgres'?" in shown
+    assert "dlock_backend = postgress://app:***@db/app" in shown
+    assert "s3cret" not in shown
 
 
 def test_default_store_is_a_local_file_store_with_a_warning(

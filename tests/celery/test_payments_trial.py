@@ -444,11 +444,6 @@ def test_the_janitor_across_its_sessions_ended_by_the_server(
         worker.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed (keys.py): a float with an integral value renders as 42.0, unlike the "
-    "int and the Decimal of the same number",
-)
 def test_an_order_id_given_as_a_float_locks_the_key_of_the_same_int() -> None:
     """A JSON client sends ``42.0`` where another sends ``42``: the same order, so the same
     key, the same once memory and the same idempotency key (Decimal("42.0") renders 42)."""

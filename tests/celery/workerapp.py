@@ -1,63 +1,27 @@
 """The app the real prefork worker of the Celery tests runs (``tests.celery.prefork``; the
 ``worker`` fixture of tests/celery/conftest.py and the tests that start their own).
 
-Configured by environment: DLOCK_TEST_BROKER, DLOCK_TEST_RESULTS, DLOCK_TEST_LOCKS (lock
-store URL), DLOCK_TEST_LEDGER (a file the task bodies append events to), and optionally
-DLOCK_TEST_VISIBILITY (Redis visibility timeout, s), DLOCK_TEST_JANITOR (interval, s) and
-DLOCK_TEST_METRICS ("1": dlock_metrics on).
+Configured by environment (:func:`tests.support.workerapps.worker_app`); its task bodies
+append events to the ledger file DLOCK_TEST_LEDGER.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
-from celery import Celery
+if not __package__:
+    # A top-level module of a worker or producer run in tests/celery: the tree's root goes
+    # first on sys.path, as pytest's `pythonpath = ["."]` puts it, for `tests.support`.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from celery_dlock import LockedTask, install
+from tests.support.workerapps import kill_if_asked, ledger, locked_task, worker_app
 
-app = Celery("workerapp")
-app.conf.update(
-    broker_url=os.environ["DLOCK_TEST_BROKER"],
-    result_backend=os.environ["DLOCK_TEST_RESULTS"],
-    dlock_backend=os.environ["DLOCK_TEST_LOCKS"],
-    dlock_janitor_interval=float(os.environ.get("DLOCK_TEST_JANITOR", "3600")),
-    dlock_metrics=os.environ.get("DLOCK_TEST_METRICS") == "1",
-    task_default_queue=os.environ.get("DLOCK_TEST_QUEUE", "celery"),
-    worker_prefetch_multiplier=1,
-    task_track_started=True,
-    broker_connection_retry_on_startup=True,
-    broker_transport_options={
-        "visibility_timeout": float(os.environ.get("DLOCK_TEST_VISIBILITY", "3600")),
-        "unacked_restore_interval": 0.5,
-        "unacked_restore_throttle": 1,
-    },
-)
-install(app)
-
-
-def ledger(event: str, task: Any, **data: Any) -> None:
-    """Append one event, in order, to the shared ledger file."""
-    lease = task.lease
-    entry = {
-        "event": event,
-        "task": task.name,
-        "id": task.request.id,
-        "pid": os.getpid(),
-        "key": None if lease is None else lease.key,
-        "fence": None if lease is None else lease.fence,
-        "token": None if lease is None else lease.token,
-        **data,
-    }
-    with open(os.environ["DLOCK_TEST_LEDGER"], "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(entry) + "\n")
+app = worker_app("workerapp")
 
 
 def _body(task: Any, seconds: float, **data: Any) -> dict[str, Any]:
@@ -67,11 +31,9 @@ def _body(task: Any, seconds: float, **data: Any) -> dict[str, Any]:
     return {"fence": task.lease.fence, "pid": os.getpid()}
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.charge",
+@locked_task(
+    app,
+    "w.charge",
     lock_key="order:<order_id>",
     once=True,
     lock_retry_backoff=0.05,
@@ -81,11 +43,9 @@ def charge(self: Any, order_id: int, amount: int) -> dict[str, Any]:
     return _body(self, 0.2, amount=amount)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.serial",
+@locked_task(
+    app,
+    "w.serial",
     lock_key="serial:{order_id}",
     lock_retry_backoff=0.05,
     lock_retry_backoff_max=0.3,
@@ -94,19 +54,12 @@ def serial(self: Any, order_id: int, n: int) -> dict[str, Any]:
     return _body(self, 0.05, n=n)
 
 
-@app.task(shared=False, base=LockedTask, bind=True, name="w.hold", lock_key="hold:{order_id}")
+@locked_task(app, "w.hold", lock_key="hold:{order_id}")
 def hold(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
     return _body(self, seconds)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.fragile",
-    lock_key="fragile:{order_id}",
-    on_lock_lost="raise",
-)
+@locked_task(app, "w.fragile", lock_key="fragile:{order_id}", on_lock_lost="raise")
 def fragile(self: Any, order_id: str) -> None:
     ledger("start", self)
     for _ in range(600):
@@ -114,51 +67,22 @@ def fragile(self: Any, order_id: str) -> None:
     ledger("end", self)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.soft",
-    lock_key="soft:{order_id}",
-    soft_time_limit=0.5,
-)
+@locked_task(app, "w.soft", lock_key="soft:{order_id}", soft_time_limit=0.5)
 def soft(self: Any, order_id: str) -> dict[str, Any]:
     return _body(self, 5)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.hard",
-    lock_key="hard:{order_id}",
-    time_limit=1.0,
-)
+@locked_task(app, "w.hard", lock_key="hard:{order_id}", time_limit=1.0)
 def hard(self: Any, order_id: str) -> dict[str, Any]:
     return _body(self, 10)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.late",
-    lock_key="late:{order_id}",
-    acks_late=True,
-    on_locked="skip",
-)
+@locked_task(app, "w.late", lock_key="late:{order_id}", acks_late=True, on_locked="skip")
 def late(self: Any, order_id: str, seconds: float) -> dict[str, Any]:
     return _body(self, seconds)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.later",
-    lock_key="later:{order_id}",
-    max_retries=1,
-)
+@locked_task(app, "w.later", lock_key="later:{order_id}", max_retries=1)
 def later(self: Any, order_id: str) -> None:
     ledger("start", self)
     raise self.retry(countdown=3600)
@@ -171,9 +95,7 @@ def charges_table() -> tuple[str, str]:
     return base, f'"{dict(parse_qsl(query))["schema"]}".charges'
 
 
-@app.task(
-    shared=False, base=LockedTask, bind=True, name="w.pay", lock_key="pay:{order_id}", once=True
-)
+@locked_task(app, "w.pay", lock_key="pay:{order_id}", once=True)
 def pay(self: Any, order_id: str, transactional: bool) -> dict[str, Any]:
     """Charge: a row in ``charges``, committed; with ``transactional`` the once success is
     written in the same transaction. If a file ``kill-<order_id>`` lies beside the ledger, the
@@ -188,50 +110,26 @@ def pay(self: Any, order_id: str, transactional: bool) -> dict[str, Any]:
         if transactional:
             self.record_success(connection, result)
     ledger("committed", self)
-    hook = Path(os.environ["DLOCK_TEST_LEDGER"]).with_name(f"kill-{order_id}")
-    if hook.exists():
-        hook.unlink()
-        os.kill(os.getpid(), signal.SIGKILL)
+    kill_if_asked(order_id)
     return result
 
 
 # -- enqueue-time de-duplication (tests/celery/test_dedupe.py) ------------------------------
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.sync",
-    lock_key="sync:{customer}",
-    dedupe="until_started",
-)
+@locked_task(app, "w.sync", lock_key="sync:{customer}", dedupe="until_started")
 def sync(self: Any, customer: str, seconds: float) -> dict[str, Any]:
     return _body(self, seconds)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.sync_strict",
-    lock_key="sync:{customer}",
-    dedupe="until_started",
-    on_duplicate="raise",
+@locked_task(
+    app, "w.sync_strict", lock_key="sync:{customer}", dedupe="until_started", on_duplicate="raise"
 )
 def sync_strict(self: Any, customer: str) -> dict[str, Any]:
     return _body(self, 0)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.report",
-    lock_key="report:{customer}",
-    dedupe="until_finished",
-    max_retries=1,
-)
+@locked_task(app, "w.report", lock_key="report:{customer}", dedupe="until_finished", max_retries=1)
 def report(
     self: Any, customer: str, seconds: float, fail: bool = False, retry: bool = False
 ) -> dict[str, Any]:
@@ -245,14 +143,8 @@ def report(
     return {"fence": self.lease.fence}
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.report_or_skip",
-    lock_key="report:{customer}",
-    dedupe="until_finished",
-    on_locked="skip",
+@locked_task(
+    app, "w.report_or_skip", lock_key="report:{customer}", dedupe="until_finished", on_locked="skip"
 )
 def report_or_skip(self: Any, customer: str) -> dict[str, Any]:
     return _body(self, 0)
@@ -263,11 +155,9 @@ def _coalesced(task: Any, key: str, queued_id: str | None) -> dict[str, Any]:
     return {"task": task.name, "mark": key, "queued": queued_id}
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.sync_custom",
+@locked_task(
+    app,
+    "w.sync_custom",
     lock_key="sync:{customer}",
     dedupe="until_started",
     on_duplicate=_coalesced,
@@ -276,11 +166,9 @@ def sync_custom(self: Any, customer: str) -> dict[str, Any]:
     return _body(self, 0)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.pooled",
+@locked_task(
+    app,
+    "w.pooled",
     lock_key="pool:{tenant}",
     lock_limit=2,
     lock_retry_backoff=0.05,
@@ -290,14 +178,7 @@ def pooled(self: Any, tenant: str, n: int) -> dict[str, Any]:
     return _body(self, 0.4, n=n)
 
 
-@app.task(
-    shared=False,
-    base=LockedTask,
-    bind=True,
-    name="w.transfer",
-    lock_key=["account:{source}", "account:{target}"],
-    lock_wait=120,
-)
+@locked_task(app, "w.transfer", lock_key=["account:{source}", "account:{target}"], lock_wait=120)
 def transfer(self: Any, source: str, target: str, n: int) -> list[str]:
     ledger("start", self, keys=[lease.key for lease in self.leases], n=n)
     time.sleep(0.005)

@@ -35,7 +35,9 @@ def environment(extra: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("DLOCK_BACKEND", "DLOCK_NAMESPACE", "DLOCK_CLI_BACKEND", "DLOCK_CLI_NAMESPACE"):
         env.pop(name, None)
-    env["PYTHONPATH"] = str(HERE)
+    # The checkout the tests are in first, before the installed package: the commands then
+    # run the code under test also in a worktree of another commit.
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent.parent), str(HERE)])
     env.update(extra or {})
     return env
 

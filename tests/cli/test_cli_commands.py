@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -395,8 +396,11 @@ def test_migrate_creates_the_postgres_schema_idempotently() -> None:
         second = run_cli("--backend", url, "migrate", "--json")
 
         assert first.returncode == 0, first.stderr
-        assert "schema is up to date" in first.stdout
-        assert output_json(second)["migrated"] is True
+        assert first.stdout.rstrip().endswith(": created")  # it said "up to date" before
+        assert (output_json(second)["migrated"], output_json(second)["done"]) == (
+            True,
+            "up to date",
+        )
         tables = admin.execute(
             "SELECT count(*) FROM information_schema.tables WHERE table_schema = %s", (schema,)
         ).fetchone()[0]
@@ -464,6 +468,47 @@ def test_tables_without_metadata_have_no_metadata_column(store: CliStore) -> Non
     hold(store, "job:plain")
     header = run_cli("--backend", store.url, "leases").stdout.splitlines()[0]
     assert "METADATA" not in header
+
+
+# -- alignment --------------------------------------------------------------------------------
+
+
+def aligned(output: str) -> None:
+    """Every cell of every row starts where its header does (two spaces before it)."""
+    header, *rows = output.splitlines()
+    starts = [found.start() for found in re.finditer(r"\S+", header)]
+    for row in rows:
+        assert all(row[start - 2 : start] == "  " != row[start] for start in starts[1:]), (
+            f"{row!r} is not under {header!r}"
+        )
+
+
+def test_tables_of_celery_task_holders_stay_aligned(file_store: CliStore) -> None:
+    # A task's holder (name[uuid] on celery@host (pid N on host)) is wider than a plain cell:
+    # its column widens, so that the columns after it stay aligned.
+    holders = [
+        Holder.current(worker="celery@vm", task_id=str(uuid.uuid4()), task_name=name)
+        for name in ("shop.sync", "shop.sync2")
+    ]
+    holders.append(Holder.current(task_name="tests.plain", metadata={"order": 42}))
+    held = [
+        file_store.backend.try_acquire(f"job:sync:{n}", holder, None)
+        for n, holder in enumerate(holders)
+    ]
+    assert all(lease is not None and len(lease.holder.describe()) > 48 for lease in held[:2])
+
+    leases = run_cli("--backend", file_store.url, "leases")
+    assert leases.returncode == 0, leases.stderr
+    assert leases.stdout.splitlines()[0].split() == [
+        "KEY", "HOLDER", "AGE", "FENCE", "EXPIRES", "METADATA"
+    ]  # fmt: skip
+    aligned(leases.stdout)
+
+    for lease in held:
+        assert lease is not None and file_store.backend.release(lease, Outcome.SUCCEEDED)
+    history = run_cli("--backend", file_store.url, "history")
+    assert history.returncode == 0, history.stderr
+    aligned(history.stdout)
 
 
 # -- output to a reader that went away ----------------------------------------------------

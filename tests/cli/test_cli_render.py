@@ -84,3 +84,11 @@ def test_a_wide_key_is_shown_whole_and_pads_no_other_row() -> None:
     lines = table(("key", "fence"), [["job:a", "1"], [wide, "12"]]).splitlines()
     assert lines == ["KEY    FENCE", "job:a  1", f"{wide}  12"]
     assert lines[2].split() == [wide, "12"]  # still two spaces between cells: copy-paste whole
+
+
+def test_a_column_of_mostly_wide_cells_widens_so_the_next_column_stays_aligned() -> None:
+    task = "shop.sync[0c35e1b2-8f4e-4d55-9a51-2d1c7e0f3a61] on celery@vm (pid 22900 on vm)"
+    rows = [[task, "1s"], [task.replace("sync", "sync2"), "2s"], ["pid 7 on vm", "3s"]]
+    header, *lines = table(("holder", "age"), rows).splitlines()
+    assert header.index("AGE") == len(task) + 3  # the widest holder, and two spaces
+    assert [line.index(f"{n}s") for n, line in enumerate(lines, 1)] == [len(task) + 3] * 3

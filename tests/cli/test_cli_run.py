@@ -184,11 +184,12 @@ def test_once_with_wait_runs_once_when_the_first_run_succeeds_meanwhile(
     store: CliStore, tmp_path: Path
 ) -> None:
     # Found by trying the CLI: the --once check came before the wait, so a runner waiting
-    # behind a run that then succeeded ran the command again.
+    # behind a run that then succeeded ran the command again. (The first run lasts 4 s: the
+    # second runner must start within it, which took over 1 s in a loaded CI run.)
     count, started = tmp_path / "count", tmp_path / "started"
     code = (
         f"import pathlib, time; open({str(count)!r}, 'a').write('ran\\n'); "
-        f"pathlib.Path({str(started)!r}).touch(); time.sleep(1)"
+        f"pathlib.Path({str(started)!r}).touch(); time.sleep(4)"
     )
     first = start(store, *TTL, "--once", KEY, "--", *python(code))
     eventually(started.exists, "the first run started")

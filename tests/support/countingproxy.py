@@ -34,6 +34,7 @@ class CountingProxy:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._round_trips = 0
+        self._replied = 0
         self._last_activity = time.monotonic()
         self._closing = threading.Event()
         self._connections: list[socket.socket] = []
@@ -58,10 +59,19 @@ class CountingProxy:
         with self._lock:
             return self._round_trips
 
+    @property
+    def replied_bytes(self) -> int:
+        """Bytes the server sent back since the last ``reset``, once the traffic has gone
+        quiet."""
+        self.settle()
+        with self._lock:
+            return self._replied
+
     def reset(self) -> None:
         self.settle()
         with self._lock:
             self._round_trips = 0
+            self._replied = 0
 
     def settle(self, quiet: float = 0.05) -> None:
         """Wait until no byte has moved for ``quiet`` seconds (replies still in flight)."""
@@ -141,6 +151,8 @@ class CountingProxy:
                         self._last_activity = time.monotonic()
                         if sock is client and not last_from_client:
                             self._round_trips += 1
+                        if sock is server:
+                            self._replied += len(data)
                         dropping = sock is server and self._to_drop > 0
                         if dropping:
                             self._to_drop -= 1

@@ -17,6 +17,8 @@ Layout
     that page, which the page then points at: see ``file.state``). ``<name>`` is the key
     percent-encoded (only ``A-Z a-z 0-9 _ : -`` stay), so ``/``, ``..`` and ``%`` cannot
     escape or collide; a name over 200 bytes keeps a prefix and adds the key's SHA-256.
+    ``reap()`` writes ``{"key", "fence", "collected": true}`` to a file before it deletes
+    it, so a process that has it open reads that and opens the new file (``file.state``).
     ``history/<YYYY-MM-DD>.jsonl``: records, one JSON line each, appended by release day
     (UTC); pruning deletes whole days.
     ``success/<name>``: the last success of each (key, task name), for ``once``.
@@ -68,6 +70,7 @@ from celery_dlock.backends.base import (
     Place,
     WallClock,
     hand_over_ttl,
+    handed_expiry,
     remembered,
     success_task,
     validate_ttl,
@@ -80,11 +83,10 @@ from celery_dlock.backends.common import (
     retried,
     taken_over,
     url_options,
-    wall_clock,
 )
 from celery_dlock.backends.file import history
 from celery_dlock.backends.file.history import DAY, Segment
-from celery_dlock.backends.file.state import PAGE, Local, Locked, State, raise_floor, read_floor
+from celery_dlock.backends.file.state import PAGE, Local, Locked, raise_floor, read_floor
 from celery_dlock.backends.file.wakeups import Inotify, watch_holder
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError, ConfigurationError
@@ -139,7 +141,7 @@ class FileBackend(LockBackend):
                 self.directory,
                 extra=fields("no_liveness", backend=self.url),
             )
-        self._clock: WallClock = clock or wall_clock
+        self._clock: WallClock = clock or time.time  # wall_clock, without its frame
         self._locks_dir = os.path.join(self.directory, "locks")
         self._history_dir = os.path.join(self.directory, "history")
         self._success_dir = os.path.join(self.directory, "success")
@@ -148,9 +150,7 @@ class FileBackend(LockBackend):
         for path in (self.directory, self._locks_dir, self._history_dir, self._success_dir):
             _make_private_dir(path)
         # A forked child closes its copies of the parent's files at once (see close_inherited).
-        self._local: ProcessLocal[Local] = ProcessLocal(
-            self._new_local, forget=Local.close_inherited
-        )
+        self._files = ProcessLocal(self._new_local, forget=Local.close_inherited)
 
     def _new_local(self) -> Local:
         """This process's open files."""
@@ -178,7 +178,7 @@ class FileBackend(LockBackend):
     def _locked(self, key: str, operation: int = fcntl.LOCK_EX) -> Locked:
         """``with self._locked(key) as state``: the state of ``key`` under a flock of
         ``operation``; changes go through ``state.write`` inside the block."""
-        return Locked(self._local.get(), key, operation, self._read_floor)
+        return Locked(self._files.get(), key, operation, self._read_floor)
 
     def _append(self, record: Record, segment: Segment, lease_json: str | None = None) -> None:
         """Keep ``record`` as its key's last success if it is one (``once``) and none of
@@ -212,7 +212,8 @@ class FileBackend(LockBackend):
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        ttl = validate_ttl(ttl)
+        if ttl is not None:
+            ttl = validate_ttl(ttl)
         with self._locked(key) as state:
             now = self._clock()
             current = state.lease
@@ -225,7 +226,8 @@ class FileBackend(LockBackend):
                     return None
                 self._append(ended, state.segment, state.lease_json)
                 taken_over(ended.outcome)
-            lease = Lease(key, new_token(), state.fence + 1, holder, now, expiry(now, ttl))
+            expires = None if ttl is None else now + ttl
+            lease = Lease(key, new_token(), state.fence + 1, holder, now, expires)
             state.write(lease.fence, lease)
             return lease
 
@@ -241,12 +243,13 @@ class FileBackend(LockBackend):
             current, now = self._ours(state, lease)
             if current is None:
                 return None
-            record = Record(current, now, Outcome(outcome), problem, details, result)
+            outcome = outcome if type(outcome) is Outcome else Outcome(outcome)
+            record = Record(current, now, outcome, problem, details, result)
             self._append(record, state.segment, state.lease_json)
             state.write(state.fence, None)
             return record
 
-    def _ours(self, state: State, lease: Lease) -> tuple[Lease | None, float]:
+    def _ours(self, state: Locked, lease: Lease) -> tuple[Lease | None, float]:
         """The stored lease if it is ``lease`` and alive, and the time judged by; an expired
         one is cleared and recorded as ``expired`` (the caller holds the key's lock)."""
         current = state.lease
@@ -260,7 +263,7 @@ class FileBackend(LockBackend):
         return current, now
 
     def add_record(self, record: Record) -> None:
-        self._append(record, self._local.get().segment)
+        self._append(record, self._files.get().segment)
 
     def remember(self, record: Record) -> bool:
         task_name = success_task(record)
@@ -287,8 +290,8 @@ class FileBackend(LockBackend):
             return renewed
 
     def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
-        """Keep ``lease`` alive by its ttl alone: its holder no longer names a process that
-        could be judged gone (an empty host id), so it outlives this one."""
+        """Keep ``lease`` alive by its ttl alone, never shortened: its holder no longer names
+        a process that could be judged gone (an empty host id), so it outlives this one."""
         seconds = hand_over_ttl(ttl)
         with self._locked(lease.key) as state:
             current, now = self._ours(state, lease)
@@ -297,7 +300,7 @@ class FileBackend(LockBackend):
             holder = dataclasses.replace(current.holder, host_id="")
             handed = Lease(
                 current.key, current.token, current.fence, holder, current.acquired_at,
-                expiry(now, seconds),
+                handed_expiry(current.expires_at, now + seconds),
             )  # fmt: skip
             state.write(state.fence, handed)
             return handed
@@ -335,36 +338,15 @@ class FileBackend(LockBackend):
         since: float | None = None,
         limit: int | None = 100,
     ) -> list[Record]:
-        first_day = None if since is None else time.strftime("%Y-%m-%d", time.gmtime(since))
-        found: list[Record] = []
-        wanted = tuple(
-            history.needles(value)
-            for value in (key, None if outcome is None else Outcome(outcome).value)
-            if value is not None
-        )
-
-        def keep(record: Record) -> bool:
-            return (
-                (since is None or record.released_at >= since)
-                and (key is None or record.key == key)
-                and (outcome is None or record.outcome == outcome)
-            )
-
-        for segment in history.segments(self._history_dir):
-            if first_day is not None and segment[:10] < first_day:
-                break
-            # A segment holds the records released on its day: all newer than the next one's.
-            left = None if limit is None else limit - len(found)
-            found += history.newest(
-                self._history_dir, segment, left, keep, wanted=wanted, since=since
-            )
-            if limit is not None and len(found) >= limit:
-                break
-        found.sort(key=lambda record: record.released_at, reverse=True)
-        return found if limit is None else found[:limit]
+        return history.query(self._history_dir, key, outcome, since, limit)
 
     def last_success(self, key: str, task_name: str) -> Record | None:
-        return history.read_success(history.success_path(self._success_dir, key, task_name))
+        path = history.success_path(self._success_dir, key, task_name)
+        try:
+            return history.read_success(path)
+        except (OSError, ValueError) as exc:  # unreadable or corrupt: no answer to replay
+            message = f"cannot read the success of {key!r} in {path}: {exc}"
+            raise BackendError(message, self.url) from exc
 
     def reap(self, limit: int = 100) -> list[Record]:
         reaped: list[Record] = []
@@ -384,12 +366,13 @@ class FileBackend(LockBackend):
                     reaped.append(ended)
         return reaped
 
-    def _collect(self, state: State, now: float) -> None:
+    def _collect(self, state: Locked, now: float) -> None:
         """Delete the free state file of a key unused for ``gc_after`` seconds, raising
         ``fence-floor`` to its fence first so a new file for the key continues above it."""
         if now - os.fstat(state.fd).st_mtime < self.gc_after:
             return
         raise_floor(self._floor_path, state.fence)
+        state.mark_collected()
         os.unlink(os.path.join(self._locks_dir, file_name(state.key)))
 
     def prune_history(self, before: float) -> int:
@@ -444,7 +427,7 @@ class FileBackend(LockBackend):
             time.sleep(min(left, random.uniform(*_POLL)))
 
     def close(self) -> None:
-        self._local.get().close()
+        self._files.get().close()
 
 
 #: Seconds between looks at a busy key in portable mode (jittered).

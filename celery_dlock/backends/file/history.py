@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError
-from celery_dlock.records import Record
+from celery_dlock.records import Outcome, Record
 
 DAY = 86400.0
 encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
@@ -49,7 +49,7 @@ class Segment:
                     self._close()
                     name = time.strftime("%Y-%m-%d.jsonl", time.gmtime(day * DAY))
                     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-                    self.fd = os.open(os.path.join(self.directory, name), flags, 0o600)
+                    self.fd = open_private(os.path.join(self.directory, name), flags)
                     self.day = day
                 if self.torn:  # end the line an earlier short write left unfinished
                     data = b"\n" + data
@@ -72,6 +72,27 @@ class Segment:
             os.close(fd)
 
 
+def open_private(path: str, flags: int) -> int:
+    """Open ``path`` with ``flags`` (``O_CREAT`` among them), mode 0600 whatever the umask.
+
+    A process with a umask such as 0o277 creates files read-only: every other process
+    of the user would then be refused (``EACCES``) the ``O_RDWR`` or ``O_WRONLY`` open of
+    that key's lock file or that day's history for good. The creator (the owner) widens
+    the mode back; another process may be refused in the few syscalls between.
+    """
+    fd = os.open(path, flags, 0o600)
+    try:
+        status = os.fstat(fd)
+        if status.st_mode & 0o600 != 0o600 and status.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+#: Each outcome's value (``Outcome.value`` is a property: costly at every release).
+_OUTCOMES = {outcome: outcome.value for outcome in Outcome}
 #: How every record line begins (``record_line``).
 _RECORD_START = b'{"lease":'
 
@@ -86,10 +107,46 @@ def record_line(record: Record, lease_json: str | None) -> bytes:
     result = "null" if record.result is None else encode(record.result)
     text = (
         f'{{"lease":{lease_json},"released_at":{record.released_at!r},'
-        f'"outcome":"{record.outcome.value}","problem":{problem},"details":{details},'
+        f'"outcome":"{_OUTCOMES[record.outcome]}","problem":{problem},"details":{details},'
         f'"result":{result}}}\n'
     )
     return text.encode("utf-8", "surrogatepass")
+
+
+def query(
+    directory: str,
+    key: str | None,
+    outcome: Outcome | None,
+    since: float | None,
+    limit: int | None,
+) -> list[Record]:
+    """``FileBackend.history``: the newest ``limit`` records of ``key`` with ``outcome``
+    released at or after ``since`` (None: any), newest first, from the day segments."""
+    first_day = None if since is None else time.strftime("%Y-%m-%d", time.gmtime(since))
+    found: list[Record] = []
+    wanted = tuple(
+        needles(value)
+        for value in (key, None if outcome is None else Outcome(outcome).value)
+        if value is not None
+    )
+
+    def keep(record: Record) -> bool:
+        return (
+            (since is None or record.released_at >= since)
+            and (key is None or record.key == key)
+            and (outcome is None or record.outcome == outcome)
+        )
+
+    for segment in segments(directory):
+        if first_day is not None and segment[:10] < first_day:
+            break
+        # A segment holds the records released on its day: all newer than the next one's.
+        left = None if limit is None else limit - len(found)
+        found += newest(directory, segment, left, keep, wanted=wanted, since=since)
+        if limit is not None and len(found) >= limit:
+            break
+    found.sort(key=lambda record: record.released_at, reverse=True)
+    return found if limit is None else found[:limit]
 
 
 def segments(directory: str) -> list[str]:

@@ -21,8 +21,9 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
-from celery_dlock.backends.file.history import Segment
+from celery_dlock.backends.file.history import Segment, open_private
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Lease, new_token
@@ -43,7 +44,7 @@ class Local:
     """One backend's open files in one process, made by ``ProcessLocal``: the descriptor
     cache of lock files, the stripe mutexes, the parse memo and the history segment."""
 
-    __slots__ = ("busy", "fds", "locks_dir", "memo", "mutex", "segment", "stripes", "url")
+    __slots__ = ("evicted", "fds", "locks_dir", "memo", "mutex", "segment", "stripes", "url")
 
     def __init__(self, locks_dir: str, url: str, segment: Segment) -> None:
         self.locks_dir = locks_dir
@@ -55,50 +56,67 @@ class Local:
         # per stripe of keys keeps our own threads apart; flock keeps processes apart.
         self.stripes = [threading.Lock() for _ in range(_STRIPES)]
         self.fds: OrderedDict[str, int] = OrderedDict()
-        self.busy: dict[int, int] = {}
+        #: Descriptors evicted from ``fds`` while their stripe was held: closed later.
+        self.evicted: list[tuple[str, int]] = []
         self.memo: dict[str, Memo] = {}
 
-    def open(self, key: str) -> int:
-        """An open descriptor of ``key``'s lock file, cached, created if absent.
+    def stripe(self, key: str) -> threading.Lock:
+        return self.stripes[hash(key) % _STRIPES]
 
-        ``busy`` counts users so that eviction never closes a descriptor in use.
+    def open(self, key: str) -> int:
+        """An open descriptor of ``key``'s lock file, cached, created if absent; the caller
+        holds the key's stripe mutex while it uses the descriptor.
+
+        Only eviction closes a cached descriptor, and never one of a key whose stripe is
+        held: it may be in use (a key of the stripe takes its descriptor with the stripe
+        held, under ``mutex``, so one taken after the check finds it evicted).
         """
+        fd = self.fds.get(key)
+        if fd is not None:  # without ``mutex``: each step is atomic, and the stripe is held
+            try:  # noqa: SIM105 - contextlib.suppress costs a call on the hot path
+                self.fds.move_to_end(key)
+            except KeyError:  # evicted meanwhile: closed only once the stripe is free
+                pass
+            return fd
         with self.mutex:
             fd = self.fds.get(key)
             if fd is not None:
-                self.fds.move_to_end(key)
-            else:
-                path = os.path.join(self.locks_dir, file_name(key))
-                try:
-                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                except OSError as exc:
-                    raise BackendError(f"cannot open lock file {path}: {exc}", self.url) from exc
-                self.fds[key] = fd
-                while len(self.fds) > _OPEN_FILES:
-                    _, old = self.fds.popitem(last=False)
-                    if not self.busy.get(old):
-                        os.close(old)
-            self.busy[fd] = self.busy.get(fd, 0) + 1
+                return fd
+            path = os.path.join(self.locks_dir, file_name(key))
+            try:
+                fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
+            except OSError as exc:
+                raise BackendError(f"cannot open lock file {path}: {exc}", self.url) from exc
+            self.fds[key] = fd
+            if len(self.fds) > _OPEN_FILES:
+                self.evicted.append(self.fds.popitem(last=False))
+                self._close_evicted()
             return fd
 
-    def done(self, key: str, fd: int, *, drop: bool = False) -> None:
-        """Stop using ``fd``; ``drop`` forgets it (its file was deleted)."""
-        with self.mutex:
-            count = self.busy.pop(fd, 1) - 1
-            if count > 0:
-                self.busy[fd] = count
-            if drop and self.fds.get(key) == fd:
-                del self.fds[key]
-            if count <= 0 and self.fds.get(key) != fd:
+    def _close_evicted(self) -> None:
+        kept = []
+        for key, fd in self.evicted:
+            if self.stripe(key).locked():
+                kept.append((key, fd))
+            else:
                 os.close(fd)
+        self.evicted = kept
+
+    def drop(self, key: str, fd: int) -> None:
+        """Close ``fd``, ``key``'s, whose file was deleted (the caller holds its stripe)."""
+        with self.mutex:
+            if self.fds.get(key) == fd:
+                del self.fds[key]
+            elif (key, fd) in self.evicted:  # evicted while in use: not to be closed twice
+                self.evicted.remove((key, fd))
+            os.close(fd)
 
     def close(self) -> None:
         """Close the descriptors no thread is using, and the history segment."""
         with self.mutex:
-            for key, fd in list(self.fds.items()):
-                if not self.busy.get(fd):
-                    del self.fds[key]
-                    os.close(fd)
+            while self.fds:  # evicted first, then closed unless in use: see ``open``
+                self.evicted.append(self.fds.popitem(last=False))
+            self._close_evicted()
         self.segment.close()
 
     def close_inherited(self) -> None:
@@ -109,116 +127,122 @@ class Local:
         while the parent keeps its own descriptor open.
         """
         segment = [self.segment.fd] if self.segment.fd >= 0 else []
-        for fd in [*self.fds.values(), *segment]:
+        for fd in [*self.fds.values(), *(fd for _, fd in self.evicted), *segment]:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
 
 class Locked:
-    """Holds a key's stripe mutex and file lock for a ``with`` block (a class: this is the
-    hot path, and a generator-based context manager costs twice as much)."""
+    """A key's lock file under its stripe mutex and ``flock`` for a ``with`` block, and its
+    state as read there (``with backend._locked(key) as state``); changes go through
+    :meth:`write`, and the records of a change are appended to ``segment`` under the same
+    flock. One object, entered with one method: this is the hot path.
 
-    __slots__ = ("fd", "floor", "key", "local", "mutex", "operation")
+    The parse of the bytes this process last wrote is remembered (``Local.memo``): the
+    usual release follows our own acquire and then needs no JSON decoding. The memo is
+    keyed by the exact bytes, so it can never disagree with a fresh parse.
+
+    A file that ``reap()`` collects is first marked collected (:meth:`mark_collected`)
+    under its flock, then unlinked; every step also checks that its file is still linked
+    (one ``fstat``), so a file deleted by hand is noticed too.
+    """
+
+    __slots__ = (
+        "fd", "fence", "floor", "key", "lease", "lease_json", "local", "mutex", "operation",
+        "segment", "size", "spill",
+    )  # fmt: skip
 
     def __init__(self, local: Local, key: str, operation: int, floor: Callable[[], int]) -> None:
         self.local = local
         self.key = key
         self.operation = operation
         self.floor = floor
-        self.mutex = local.stripes[hash(key) % _STRIPES]
+        self.mutex = local.stripes[hash(key) % _STRIPES]  # local.stripe(key), inline
+        self.segment = local.segment
         self.fd = -1
 
-    def __enter__(self) -> State:
-        # One method, not two: this is the hot path (see the class docstring).
+    def __enter__(self) -> Locked:
         local, key = self.local, self.key
         self.mutex.acquire()
         try:
             while True:
-                fd = local.open(key)
+                fd = self.fd = local.open(key)
                 try:
                     fcntl.flock(fd, self.operation)
                 except OSError as exc:
-                    local.done(key, fd)
                     message = f"cannot lock the file of {key!r}: {exc}"
                     raise BackendError(message, local.url) from exc
-                if os.fstat(fd).st_nlink > 0:
-                    break
-                # reap() deleted this file after we opened it: open the new one.
+                try:
+                    # Deleted since we opened it, by reap() or by hand (a /tmp cleaner, an
+                    # operator): its flock is no one else's, so the new file must be used.
+                    if os.fstat(fd).st_nlink > 0:
+                        data = os.pread(fd, PAGE, 0)
+                        self.size = len(data)
+                        memo = local.memo.get(key)
+                        if memo is not None and memo[0] == data:  # the usual case, inline
+                            _, self.fence, self.lease, self.lease_json, self.spill = memo
+                            return self
+                        if self._read(data):
+                            return self
+                except BaseException:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    raise
+                # Deleted after we opened it (or marked collected): open the new one.
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                local.done(key, fd, drop=True)
-            self.fd = fd
-            try:
-                return State(fd, key, local, self.floor)
-            except BaseException:
-                self._unlock()
-                raise
+                local.drop(key, fd)
         except BaseException:
             self.mutex.release()
             raise
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            self._unlock()
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
         finally:
             self.mutex.release()
 
-    def _unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        self.local.done(self.key, self.fd)
-
-
-class State:
-    """A key's lock file as read under its flock, with this process's history segment
-    (records of the change are appended to it under the same flock).
-
-    The parse of the bytes this process last wrote is remembered (``Local.memo``): the
-    usual release follows our own acquire and then needs no JSON decoding. The memo is
-    keyed by the exact bytes, so it can never disagree with a fresh parse.
-    """
-
-    __slots__ = (
-        "fd", "fence", "key", "lease", "lease_json", "memo", "segment", "size", "spill", "url",
-    )  # fmt: skip
-
-    def __init__(self, fd: int, key: str, local: Local, floor: Callable[[], int]) -> None:
-        self.fd = fd
-        self.key = key
-        self.memo = local.memo
-        self.segment = local.segment
-        data = os.pread(fd, PAGE, 0)
-        self.size = len(data)
-        self.lease: Lease | None = None
-        self.lease_json: str | None = None
-        self.url = local.url
+    def _read(self, data: bytes) -> bool:
+        """Take the state from ``data``, the file's first page, which is not the state this
+        process last wrote; False if the file was collected (deleted)."""
+        self.lease = None
+        self.lease_json = None
         self.spill = 0  # the spill area the state is in (0: none, it is in the first page)
-        memo = self.memo.get(key)
-        if memo is not None and memo[0] == data:
-            _, self.fence, self.lease, self.lease_json, self.spill = memo
-            return
         if not data.strip():
-            self.fence = floor()
-            return
+            self.fence = self.floor()
+            return True
         try:
-            state = json.loads(data)
-            if "spill" in state:
-                self.spill, length = (int(n) for n in state["spill"])
-                if self.spill not in (PAGE, PAGE + SPILL) or not 0 < length <= SPILL:
-                    raise ValueError(f"bad spill area {state['spill']!r}")
-                state = json.loads(os.pread(fd, length, self.spill))
-            if state["key"] != key:
-                raise ValueError(f"it holds the state of the key {state['key']!r}")
-            self.fence = int(state["fence"])
-            if state["lease"] is not None:
-                self.lease = Lease.from_dict(state["lease"])
-                if self.lease.key != key:
-                    raise ValueError(f"it holds a lease on the key {self.lease.key!r}")
+            return self._parse(json.loads(data))
         except (ValueError, KeyError, TypeError) as exc:
-            path = os.path.join(local.locks_dir, file_name(key))
+            if self._deleted():  # a corrupt file deleted by hand: open the new one
+                return False
+            path = os.path.join(self.local.locks_dir, file_name(self.key))
             raise BackendError(
-                f"the lock file {path} of {key!r} is corrupt ({type(exc).__name__}: {exc}); "
-                "it was not changed: restore it, or delete it if no process holds the key",
-                local.url,
+                f"the lock file {path} of {self.key!r} is corrupt ({type(exc).__name__}: "
+                f"{exc}); it was not changed: restore it, or delete it if no process holds "
+                "the key",
+                self.local.url,
             ) from exc
+
+    def _parse(self, state: dict[str, Any]) -> bool:
+        if "spill" in state:
+            self.spill, length = (int(n) for n in state["spill"])
+            if self.spill not in (PAGE, PAGE + SPILL) or not 0 < length <= SPILL:
+                raise ValueError(f"bad spill area {state['spill']!r}")
+            state = json.loads(os.pread(self.fd, length, self.spill))
+        if state["key"] != self.key:
+            raise ValueError(f"it holds the state of the key {state['key']!r}")
+        self.fence = int(state["fence"])
+        if state.get("collected"):
+            # Still linked: the collector died between the mark and the unlink. A free
+            # state, its fence kept (the fence floor holds it too).
+            return not self._deleted()
+        if state["lease"] is not None:
+            self.lease = Lease.from_dict(state["lease"])
+            if self.lease.key != self.key:
+                raise ValueError(f"it holds a lease on the key {self.lease.key!r}")
+        return True
+
+    def _deleted(self) -> bool:
+        return os.fstat(self.fd).st_nlink == 0
 
     def write(self, fence: int, lease: Lease | None) -> None:
         lease_json = None if lease is None else lease.to_json(ensure_ascii=False)
@@ -229,7 +253,8 @@ class State:
         if len(data) > PAGE:
             if len(data) > SPILL:
                 raise BackendError(
-                    f"the state of {self.key!r} takes {len(data)} bytes, over {SPILL}", self.url
+                    f"the state of {self.key!r} takes {len(data)} bytes, over {SPILL}",
+                    self.local.url,
                 )
             spill = PAGE + SPILL if self.spill == PAGE else PAGE
             self._pwrite(data, spill, "spill area of the lock file")
@@ -240,26 +265,36 @@ class State:
         # Pad to the old length: the write then replaces every old byte in one pwrite.
         data = data.ljust(self.size)
         self._pwrite(data, 0, "lock file")
-        if len(self.memo) >= _OPEN_FILES:
-            self.memo.clear()
-        self.memo[self.key] = (data, fence, lease, lease_json, spill)
+        memo = self.local.memo
+        if len(memo) >= _OPEN_FILES:
+            memo.clear()
+        memo[self.key] = (data, fence, lease, lease_json, spill)
         self.spill = spill
         self.size = len(data)
         self.fence = fence
         self.lease = lease
         self.lease_json = lease_json
 
+    def mark_collected(self) -> None:
+        """Mark the file collected, just before ``reap()`` unlinks it: a process that has it
+        open then opens the new file (see the class docstring). Never remembered in the
+        memo: a process never takes the mark for a state it wrote."""
+        text = f'{{"key":{_encode_key(self.key)},"fence":{self.fence},"collected":true}}'
+        self._pwrite(text.encode("utf-8", "surrogatepass").ljust(self.size), 0, "lock file")
+        self.local.memo.pop(self.key, None)
+
     def _pwrite(self, data: bytes, offset: int, what: str) -> None:
         try:
             written = os.pwrite(self.fd, data, offset)
         except OSError as exc:  # ENOSPC, EIO...: nothing was written, the old state stands
-            raise BackendError(f"cannot write the {what} of {self.key!r}: {exc}", self.url) from exc
+            message = f"cannot write the {what} of {self.key!r}: {exc}"
+            raise BackendError(message, self.local.url) from exc
         if written != len(data):
             raise BackendError(
                 f"the {what} of {self.key!r} took {written} of {len(data)} bytes (is the "
                 "disk full?): "
                 + ("the old state stands" if offset else "it may be corrupt until rewritten"),
-                self.url,
+                self.local.url,
             )
 
 
@@ -274,7 +309,7 @@ def read_floor(path: str) -> int:
 
 def raise_floor(path: str, fence: int) -> None:
     """Raise the fence floor in ``path`` to ``fence`` (never lower it), durably."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         floor = int(os.pread(fd, 64, 0) or b"0")

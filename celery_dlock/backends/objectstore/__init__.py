@@ -24,8 +24,8 @@ Records
     stays there until the next swap that writes a record of its own: that writer first
     copies the one it replaces (one more request, unless this process wrote it) and makes
     no swap if it cannot; ``reap`` copies the ``ended`` of free objects. ``successes`` in
-    the lock object keeps ``once`` exact meanwhile. A release keeps its success there and
-    under ``success/`` only if no other lease's is kept (the first wins).
+    the lock object keeps ``once`` exact meanwhile. A release keeps its success there only
+    if it first created its ``success/`` object, create-if-absent (the first wins).
 
 Waiting
     ``wait`` reads, never writes: jittered pauses from 50 ms doubling to 1 s, bounded by the
@@ -49,6 +49,8 @@ from celery_dlock.backends.base import (
     LockBackend,
     MonotonicClock,
     Place,
+    hand_over_ttl,
+    handed_expiry,
     validate_ttl,
 )
 from celery_dlock.backends.common import retried, taken_over
@@ -56,7 +58,6 @@ from celery_dlock.backends.objectstore import history as records
 from celery_dlock.backends.objectstore.bucket import Bucket
 from celery_dlock.backends.objectstore.clock import (
     ServerClock,
-    ServerNow,
     maybe_expired,
     verdict,
 )
@@ -192,12 +193,12 @@ class ObjectStoreBackend(LockBackend):
             fence = self.objects.floor() + 1 if previous is None else previous.fence + 1
             held = None if previous is None else previous.lease
             if held is not None and replace is not None and held.token == replace:
-                record = retried(held, holder, _released_at(held, now))
+                record = retried(held, holder, records.released_at(held, now))
             elif held is not None:
                 if verdict(held, now, date) != "expired":
                     self.objects.local.get().saw(name, previous)
                     return None
-                record = _record(held, now, Outcome.EXPIRED, problem="expired")
+                record = records.ending(held, now, Outcome.EXPIRED, problem="expired")
             expires_at = None if ttl is None else us(now.high + ttl)
             # Never before the end of the lease it follows (another process's clock window
             # may reach lower), so that the history's intervals of a key never overlap.
@@ -254,7 +255,7 @@ class ObjectStoreBackend(LockBackend):
         for _ in range(_ATTEMPTS):
             lease = state.lease
             assert lease is not None
-            record = _record(
+            record = records.ending(
                 lease, self.objects.now(), outcome, problem=problem, details=details, result=result
             )
             data = record.to_dict()
@@ -272,7 +273,7 @@ class ObjectStoreBackend(LockBackend):
                 successes=successes,
             )
             if written is not None:
-                self._flush(data, successes)
+                self._flush(data)  # its success/ object, if any, was made before the swap
                 self.objects.local.get().wake_one(name)
                 return record
             assert found is not None
@@ -300,7 +301,13 @@ class ObjectStoreBackend(LockBackend):
         return self._end(state, outcome, problem, details, result, own=True)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
-        ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
+        return self._prolong(lease, validate_ttl(self.default_ttl if ttl is None else ttl))
+
+    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+        """:meth:`renew` that never shortens: leases here live by their ttl alone."""
+        return self._prolong(lease, hand_over_ttl(ttl), longer=True)
+
+    def _prolong(self, lease: Lease, ttl: float | None, longer: bool = False) -> Lease | None:
         state = self._ours(lease)
         name = self.layout.lock(lease.key)
         for _ in range(_ATTEMPTS):
@@ -311,6 +318,8 @@ class ObjectStoreBackend(LockBackend):
                 self._end(state, Outcome.EXPIRED, "expired")
                 return None
             expires_at = None if ttl is None else us(now.high + ttl)
+            if longer and expires_at is not None:
+                expires_at = handed_expiry(state.lease.expires_at, expires_at)
             renewed = replace(state.lease, expires_at=expires_at)
             written, found = self.objects.write_state(name, state, state.key, state.fence, renewed)
             if written is not None:
@@ -374,7 +383,7 @@ class ObjectStoreBackend(LockBackend):
         now = self.objects.now()
         ended = state.ended
         if ended is not None and now.low - float(ended["released_at"]) < _REPAIR_WINDOW:
-            self._flush(ended, state.successes)
+            self._flush(ended)  # a success/ object is made before its lock object's swap
         if state.freed_at is not None and now.low - state.freed_at >= self.gc_after:
             self._collect(name, state)
 
@@ -459,21 +468,3 @@ class ObjectStoreBackend(LockBackend):
         """Whether the bucket honours what the locks rest on, and how well the server's
         clock is known (see ``doctor.py``)."""
         return checks(self)
-
-
-def _released_at(lease: Lease, now: ServerNow) -> float:
-    return us(max(now.low, lease.acquired_at))
-
-
-def _record(
-    lease: Lease,
-    now: ServerNow,
-    outcome: Outcome,
-    *,
-    problem: str | None = None,
-    details: str | None = None,
-    result: Any = None,
-) -> Record:
-    """The record of ``lease`` ending now (by the server's clock)."""
-    released_at = _released_at(lease, now)
-    return Record(lease, released_at, Outcome(outcome), problem, details, result)

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from celery_dlock.backends.base import success_task
 from celery_dlock.backends.naming import file_name
+from celery_dlock.backends.objectstore.clock import ServerNow
 from celery_dlock.backends.objectstore.layout import (
     LockState,
     Successes,
     encode,
     keeps_result,
     kept_in,
+    us,
     with_success,
 )
 from celery_dlock.errors import BackendError
@@ -31,12 +33,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add",
+    "ending",
     "flush",
     "keep",
     "landed",
     "last_success",
     "prune",
     "query",
+    "released_at",
     "remember",
     "succeed",
 ]
@@ -89,7 +93,8 @@ def _write(
         return
     names = [backend.layout.history_name(record)] if history else []
     if kept_in(successes, record):
-        names.append(backend.layout.success_name(record))
+        lease = record["lease"]
+        names.append(backend.layout.success_name(lease["key"], str(lease["holder"]["task_name"])))
     body = encode(record)
     for name in names:
         backend.objects.create(name, body)
@@ -170,51 +175,58 @@ def landed(
 
 
 def last_success(backend: ObjectStoreBackend, key: str, task_name: str) -> Record | None:
-    """From the lock object (one read), else the newest object under ``success/``."""
+    """From the lock object (one read), else from its ``success/`` object (one more)."""
     name = backend.layout.lock(key)
     state = backend.objects.decode(backend.objects.read(name), name)
     if state is not None and task_name in state.successes:
         return Record.from_dict(state.successes[task_name])
-    kept = _kept_apart(backend, key, task_name)
-    return None if kept is None else Record.from_dict(kept)
-
-
-def _kept_apart(backend: ObjectStoreBackend, key: str, task_name: str) -> dict[str, Any] | None:
-    """The newest success of ``key`` and ``task_name`` under ``success/``, or None."""
-    for success in backend.store().names(backend.layout.success_dir(key, task_name)):
-        body = backend.objects.read(success).body
-        if body is not None:
-            kept: dict[str, Any] = json.loads(body)
-            return kept
-    return None
+    body = backend.objects.read(backend.layout.success_name(key, task_name)).body
+    return None if body is None else Record.from_dict(json.loads(body))
 
 
 def succeed(backend: ObjectStoreBackend, state: LockState, record: dict[str, Any]) -> Successes:
-    """``state``'s successes after the release that writes ``record``: with it if it answers
-    ``once`` and no other lease's success is kept, in the lock object or (one listing, for
-    the first success of a task there) under ``success/``; the first success wins."""
+    """``state``'s successes after the release that writes ``record``, made before its swap.
+
+    The first success of a task in the lock object is first created under ``success/``
+    (create-if-absent, one request, which ``flush`` then need not make): if another's is
+    there (a ``remember`` of a lost lease, a success collected or crowded out of the lock
+    object), that one is kept, and the lock object keeps it too. The first success wins."""
     if not keeps_result(record):
         return state.successes
     task_name = str(record["lease"]["holder"]["task_name"])
-    kept = state.successes.get(task_name) or _kept_apart(backend, state.key, task_name)
-    if kept is not None and kept["lease"]["token"] != record["lease"]["token"]:
+    kept = state.successes.get(task_name)
+    if kept is None:
+        kept = _first(backend, state.key, task_name, record)
+        if kept["lease"]["token"] != record["lease"]["token"]:
+            return with_success(state.successes, kept)
+    if kept["lease"]["token"] != record["lease"]["token"]:
         return state.successes
     return with_success(state.successes, record)
 
 
-def remember(backend: ObjectStoreBackend, record: Record) -> bool:
-    """``record`` under ``success/`` unless a success of its key and task is kept already.
+def _first(
+    backend: ObjectStoreBackend, key: str, task_name: str, record: dict[str, Any]
+) -> dict[str, Any]:
+    """The success kept under ``success/`` for ``key`` and ``task_name``: ``record`` if
+    its create-if-absent is the first, else the one there (ours too, if an earlier try of
+    the same release made it)."""
+    name = backend.layout.success_name(key, task_name)
+    if backend.objects.create(name, encode(record)).version is not None:
+        return record
+    body = backend.objects.read(name).body
+    if body is None:  # only ever created, but deleted by hand in between
+        raise BackendError(f"{name!r} was there, then gone: not created", backend.url)
+    kept: dict[str, Any] = json.loads(body)
+    return kept
 
-    Its object is create-only and named by its own fence, so it never replaces another
-    holder's; a success kept meanwhile by a concurrent holder may stand beside it (both
-    are then kept, and ``last_success`` answers with the newer fence)."""
+
+def remember(backend: ObjectStoreBackend, record: Record) -> bool:
+    """``record`` under ``success/`` unless a success of its key and task is kept already:
+    one create-if-absent, as a release makes before the swap that would keep its own (so a
+    success in a lock object is under ``success/`` too); the first to create it wins."""
     task_name = success_task(record)
-    if last_success(backend, record.key, task_name) is not None:
-        return False
-    data = record.to_dict()
-    return (
-        backend.objects.create(backend.layout.success_name(data), encode(data)).version is not None
-    )
+    name = backend.layout.success_name(record.key, task_name)
+    return backend.objects.create(name, encode(record.to_dict())).version is not None
 
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:
@@ -235,3 +247,20 @@ def prune(backend: ObjectStoreBackend, before: float) -> int:
         else:
             kept.add(directory)
     return pruned
+
+
+def released_at(lease: Lease, now: ServerNow) -> float:
+    return us(max(now.low, lease.acquired_at))
+
+
+def ending(
+    lease: Lease,
+    now: ServerNow,
+    outcome: Outcome,
+    *,
+    problem: str | None = None,
+    details: str | None = None,
+    result: Any = None,
+) -> Record:
+    """The record of ``lease`` ending now (by the server's clock)."""
+    return Record(lease, released_at(lease, now), Outcome(outcome), problem, details, result)

@@ -11,10 +11,13 @@
 ``history/<17 digits>-<token>-<outcome>-<name>``
     One create-only object per record; the digits are 10**17 - 1 - released_at in
     microseconds, so a listing is newest first, and key and outcome filter by name.
-``success/<name>/<task name>/<20 digits>``
-    Create-only, one per success kept (more than one only where two holders raced); the
-    digits are 10**20 - 1 - fence, so the newest comes first. ``prune_history`` keeps the
-    newest of each.
+``success/<name>/<task name>/00000000000000000000``
+    The success kept for ``once``, one per key and task name, written only by
+    create-if-absent: whoever creates it first is the first success, the one every later
+    release and ``remember`` finds (a 412) and keeps. A release writes it before the swap
+    that puts it in its lock object's ``successes``, so every success there is here too.
+    (Earlier versions wrote one per success, named ``10**20 - 1 - fence``: this name sorts
+    before them, and ``prune_history`` keeps the first name of each directory.)
 ``fence-floor``
     The highest fence of any lock object the janitor deleted; a lock object created anew
     starts above it.
@@ -147,11 +150,9 @@ class Layout:
     def success_dir(self, key: str, task_name: str) -> str:
         return f"{self.success}{file_name(key)}/{file_name(task_name)}/"
 
-    def success_name(self, record: dict[str, Any]) -> str:
-        lease = record["lease"]
-        fence = 10**_FENCE_DIGITS - 1 - int(lease["fence"])
-        directory = self.success_dir(lease["key"], lease["holder"]["task_name"])
-        return f"{directory}{fence:0{_FENCE_DIGITS}d}"
+    def success_name(self, key: str, task_name: str) -> str:
+        """The object of the success kept for ``key`` and ``task_name``."""
+        return f"{self.success_dir(key, task_name)}{'0' * _FENCE_DIGITS}"
 
 
 def _check_prefix(prefix: str) -> None:

@@ -6,13 +6,12 @@ in turn under an ``asyncio.Lock``): the advisory locks that keep its leases aliv
 it, as the blocking lock session's belong to that one, and the same statements, rows and
 liveness apply. A waiter waits on a waiter connection of the loop (the key's queue, first
 come first served, woken by the server). A watcher task reports the leases of a session
-that ended. The loop's connections close when it shuts down (``asyncio.run``).
+that ended, or that a sweep finds ended elsewhere. The loop's connections close with it.
 
-What is the blocking client's is used, not repeated: the statements and the reading of
-their rows (:mod:`.calls`, :mod:`.rows`), the checks when a session opens, this process's
-politeness towards the waiters of a key it just released (the blocking client keeps it,
-without a connection). A statement cancelled by the caller is cancelled on the server
-(psycopg); a waiter connection whose wait was cancelled is closed, leaving its queue.
+What is the blocking client's is used, not repeated: statements, rows (:mod:`.calls`,
+:mod:`.rows`), the checks when a session opens, the politeness to the waiters of a key
+just released. A statement cancelled by the caller is cancelled on the server (psycopg);
+a cancelled waiter's connection is closed, leaving its queue.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from celery_dlock.backends.postgres.session import (
     tell_lost,
 )
 from celery_dlock.backends.postgres.statements import Statements
-from celery_dlock.errors import BackendError
+from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["AsyncPostgres"]
@@ -74,10 +73,8 @@ class _Session:
         self.held: dict[int, str] = {}
         self.swept = 0.0
         self.prepared = AsyncPreparedStatements(conn)
-
-    async def one(self, statement: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
-        """The first row of ``statement``, or None: the hot path, as the blocking one."""
-        return await self.prepared.one(statement, params)
+        #: The first row of a statement, or None: the hot path, as the blocking one.
+        self.one = self.prepared.one
 
 
 class _Loop:
@@ -88,7 +85,7 @@ class _Loop:
         self.config = config
         self.mutex = asyncio.Lock()
         self.session: _Session | None = None
-        #: Fences of leases whose session ended: their release and renew return None.
+        #: Fences of leases lost (session ended; watched, then swept): release, renew give None.
         self.lost: set[int] = set()
         self.idle_waiters: list[psycopg.AsyncConnection[Any]] = []
         #: Every waiter connection open, idle or not: closed with the loop.
@@ -98,8 +95,7 @@ class _Loop:
         self._keeper: AsyncGenerator[None, None] | None = None
 
     async def open(self) -> _Session:
-        """The lock session, opened and checked as the blocking one is (caller holds
-        ``mutex``); a new one if the server ended it while it held nothing."""
+        """The lock session, opened and checked as the blocking one (caller holds ``mutex``)."""
         if self.session is not None:
             if self.session.held or not has_ended(self.session.conn):
                 return self.session
@@ -180,14 +176,30 @@ class _Loop:
 
     # -- watching and ending ---------------------------------------------------------------
 
+    async def sweep(self, session: _Session) -> None:
+        """``Client.sweep`` on this loop's session (caller holds ``mutex``)."""
+        params = {"fences": list(session.held), "keys": list(session.held.values())}
+        await session.cursor.execute(self.config.statements.sweep, params, prepare=True)
+        gone = {int(row[0]) for row in await session.cursor.fetchall()}
+        self.lost.update(gone.intersection(self.watched))
+        session.held = {fence: key for fence, key in session.held.items() if fence not in gone}
+        session.swept = time.monotonic()
+
     async def watch(self) -> None:
-        """The watcher task: every ``WATCH_EVERY`` a look at the session (no round trip);
-        the leases of one that ended are reported lost. Ends when nothing is watched."""
+        """The watcher task: every ``WATCH_EVERY`` a look at the session (no round trip),
+        and a sweep as ``Client._sweep_watched`` (at its cost); reports the leases lost."""
         while self.watched:
             await asyncio.sleep(WATCH_EVERY)
+            untimed = [f for f, (lease, _) in self.watched.items() if lease.expires_at is None]
             async with self.mutex:
-                if self.session is not None and has_ended(self.session.conn):
+                session = self.session
+                if session is not None and has_ended(session.conn):
                     await self.drop()
+                elif session is not None and time.monotonic() - session.swept > SWEEP_EVERY / 2:
+                    with contextlib.suppress(BackendError, ConfigurationError):  # ended: dropped
+                        async with self.using("sweep"):
+                            if not session.held.keys().isdisjoint(untimed):
+                                await self.sweep(session)
             tell_lost([self.watched.pop(f) for f in list(self.watched) if f in self.lost])
         self.watcher = None
 
@@ -281,8 +293,7 @@ class AsyncPostgres:
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        ttl = validate_ttl(ttl)
-        params: dict[str, Any] = {"key": key, "token": new_token(), "ttl": ttl}
+        params: dict[str, Any] = {"key": key, "token": new_token(), "ttl": validate_ttl(ttl)}
         params |= {"holder": self._holder_json(holder), "replace": replace}
         state = self._loop()
         queued = _Queued.of(place, key)
@@ -317,7 +328,7 @@ class AsyncPostgres:
         try:
             async with state.using("acquire") as session:
                 if session.held and time.monotonic() - session.swept > SWEEP_EVERY:
-                    await self._sweep(session)
+                    await state.sweep(session)
                 try:
                     row = await self._grant(session, holder, params, polite=polite)
                 except psycopg.errors.NotNullViolation:  # no guard: as the blocking store
@@ -334,14 +345,6 @@ class AsyncPostgres:
             raise refusal(self._config, fence, session.pid, int(row[4]))
         session.held[fence] = params["key"]
         return (fence, row[1], row[2])
-
-    async def _sweep(self, session: _Session) -> None:
-        """Let go of advisory locks whose lease is gone without our release."""
-        params = {"fences": list(session.held), "keys": list(session.held.values())}
-        await session.cursor.execute(self._sql.sweep, params, prepare=True)
-        for row in await session.cursor.fetchall():
-            session.held.pop(int(row[0]), None)
-        session.swept = time.monotonic()
 
     async def _undo(self, state: _Loop, params: dict[str, Any], ended: SessionEnded) -> Exception:
         """The session ended under an acquire: clear its lease if it landed; the error."""

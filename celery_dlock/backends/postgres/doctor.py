@@ -9,12 +9,14 @@ their own:
 
 - ``schema``: the server takes writes (not a standby, transactions not read-only); the
   role may use the schema; a table of the backend's name that exists is the backend's (its
-  primary key: ``migrate()`` passes over any table that exists); every table,
-  sequence and index of ``migrate()`` exists; the role has the rights on them that the
-  backend uses (each missing one named as a ``GRANT``: the server checks rights only when a
-  statement runs, so preparing checks none); each SQL function has the body this version
-  creates; and every statement the backend runs is accepted by the server (prepared, never
-  executed): a column of another version is named.
+  primary key: ``migrate()`` passes over any table that exists); the schema version that
+  ``migrate()`` recorded is this code's (an older one, or none: run migrate; a newer one:
+  upgrade this process, whose ``migrate()`` refuses it); every table, sequence and index of
+  ``migrate()`` exists; the role has the rights on them that the backend uses (each missing
+  one named as a ``GRANT``: the server checks rights only when a statement runs, so preparing
+  checks none); each SQL function has the body this version creates; and every statement the
+  backend runs is accepted by the server (prepared, never executed): a column of another
+  version is named.
 - ``pooler``: a transaction-mode pooler hands a client's transactions to whichever server
   connection is free. Asking a second client to hold a transaction open makes the pooler
   either give it our server connection (the same backend pid on two clients at once) or give
@@ -37,10 +39,15 @@ from psycopg.pq import DiagnosticField, ExecStatus
 from celery_dlock.backends.base import Check
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
+from celery_dlock.backends.postgres.migration import (
+    SCHEMA_VERSION,
+    foreign_tables,
+    recorded_version,
+)
 from celery_dlock.backends.postgres.sql import Names, ddl
 from celery_dlock.backends.postgres.statements import Statements
 
-__all__ = ["SERVER_TIME", "checks", "foreign_tables"]
+__all__ = ["SERVER_TIME", "checks"]
 
 SERVER_TIME = (
     "-- server_time: | the server's clock now (the one expiry is judged by), seconds since "
@@ -127,8 +134,72 @@ def _version(conn: psycopg.Connection[Any]) -> Check:
     return Check("postgres version", number >= MIN_VERSION, f"{text} (needs 12 or newer)")
 
 
+class _Unfit(Exception):
+    """The schema is not fit for the backend; the message says why and what to do."""
+
+
 def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
+    try:
+        return Check("schema", True, _fit_schema(conn, statements))
+    except _Unfit as unfit:
+        return Check("schema", False, str(unfit))
+
+
+def _fit_schema(conn: psycopg.Connection[Any], statements: Statements) -> str:
+    """What the doctor says of a schema the backend can use.
+
+    Raises:
+        _Unfit: the first thing found that the backend cannot use.
+    """
     names = statements.names
+    role = _role_may_write(conn, names)
+    foreign = foreign_tables(conn, names)
+    if foreign:
+        raise _Unfit(
+            f"{'; '.join(foreign)}: not as migrate() makes it (another application's table, "
+            "or one changed by hand), which migrate() leaves alone: give the store a schema "
+            "or table_prefix of its own"
+        )
+    version = _version_problem(recorded_version(conn, names))
+    if version:
+        raise _Unfit(version)
+    kinds = _relations(conn, names)
+    lacking = _lacking(conn, names)
+    if lacking:
+        raise _Unfit(
+            f"role {role!r} lacks rights the backend uses: "
+            + "; ".join(_grants(names, role, lacking))
+        )
+    stale, absent = _stale_functions(conn, statements)
+    if stale:
+        raise _Unfit(
+            f"SQL functions {', '.join(stale)} differ from this version's: {_MIGRATE} (it "
+            "replaces them)"
+        )
+    tried, misfit = _prepare_all(conn, statements)
+    if misfit:
+        raise _Unfit(
+            f"the tables are not this version's: {misfit}; see the CHANGELOG for the migration"
+        )
+    made = len(functions(statements)) - len(absent)
+    # Tables made from schema.metadata() (Alembic) have no SQL functions: only SQL clients
+    # (psql, other languages) need them, and migrate() adds them.
+    without = (
+        f"; no SQL functions {', '.join(absent)} (for SQL clients only, migrate() adds them)"
+        if absent
+        else ""
+    )
+    return (
+        f"{names.schema!r} is current: schema version {SCHEMA_VERSION}, "
+        + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        + f" and {made} functions as this version makes them; the "
+        f"server accepts all {tried} statements the backend runs{without}"
+    )
+
+
+def _role_may_write(conn: psycopg.Connection[Any], names: Names) -> str:
+    """The role, once it is known to write leases here: not a standby, not read-only, and
+    allowed to use the schema."""
     role, usable, standby, read_only = _one(
         conn,
         "-- usage: schema | the role, whether it may use the schema (true when it is "
@@ -138,33 +209,27 @@ def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
         "FROM to_regnamespace(%s) AS n",
         (f'"{names.schema}"',),
     )
-    if standby or read_only:
-        return Check(
-            "schema",
-            False,
+    if standby:
+        raise _Unfit(
             "the server is a standby (in recovery): leases are written on the primary; point "
             "the URL at it (or add target_session_attrs=read-write)"
-            if standby
-            else f"transactions of role {role!r} are read-only here "
+        )
+    if read_only:
+        raise _Unfit(
+            f"transactions of role {role!r} are read-only here "
             "(default_transaction_read_only is on for the role, the database or the URL's "
-            "options): every acquire writes",
+            "options): every acquire writes"
         )
     if not usable:
-        return Check(
-            "schema",
-            False,
+        raise _Unfit(
             f"role {role!r} may not use schema {names.schema!r}: "
-            + "; ".join(_grants(names, role, {"": ["USAGE"]})),
+            + "; ".join(_grants(names, role, {"": ["USAGE"]}))
         )
-    foreign = foreign_tables(conn, names)
-    if foreign:
-        return Check(
-            "schema",
-            False,
-            f"{'; '.join(foreign)}: not as migrate() makes it (another application's table, "
-            "or one changed by hand), which migrate() leaves alone: give the store a schema "
-            "or table_prefix of its own",
-        )
+    return str(role)
+
+
+def _relations(conn: psycopg.Connection[Any], names: Names) -> dict[str, int]:
+    """How many tables and sequences, and indexes, migrate() makes, once all exist."""
     relations, kinds = [], {"tables and sequences": 0, "indexes": 0}
     for statement in ddl(names):
         for table, index, key in _RELATION.findall(statement):
@@ -178,93 +243,13 @@ def _schema(conn: psycopg.Connection[Any], statements: Statements) -> Check:
         (relations,),
     )[0]
     if len(missing) == len(relations):
-        return Check(
-            "schema",
-            False,
+        raise _Unfit(
             f"schema {names.schema!r} has none of the celery_dlock tables: {_MIGRATE}, or add "
-            "auto_migrate=1 to the URL",
+            "auto_migrate=1 to the URL"
         )
     if missing:
-        return Check("schema", False, f"missing {', '.join(missing)}: {_MIGRATE}")
-    lacking = _lacking(conn, names)
-    if lacking:
-        return Check(
-            "schema",
-            False,
-            f"role {role!r} lacks rights the backend uses: "
-            + "; ".join(_grants(names, role, lacking)),
-        )
-    stale, absent = _stale_functions(conn, statements)
-    if stale:
-        return Check(
-            "schema",
-            False,
-            f"SQL functions {', '.join(stale)} differ from this version's: {_MIGRATE} (it "
-            "replaces them)",
-        )
-    tried, misfit = _prepare_all(conn, statements)
-    if misfit:
-        return Check(
-            "schema",
-            False,
-            f"the tables are not this version's: {misfit}; see the CHANGELOG for the migration",
-        )
-    made = len(functions(statements)) - len(absent)
-    # Tables made from schema.metadata() (Alembic) have no SQL functions: only SQL clients
-    # (psql, other languages) need them, and migrate() adds them.
-    without = (
-        f"; no SQL functions {', '.join(absent)} (for SQL clients only, migrate() adds them)"
-        if absent
-        else ""
-    )
-    return Check(
-        "schema",
-        True,
-        f"{names.schema!r} is current: "
-        + ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-        + f" and {made} functions as this version makes them; the "
-        f"server accepts all {tried} statements the backend runs{without}",
-    )
-
-
-_TABLE = re.compile(
-    r'TABLE IF NOT EXISTS ("[^"]+"\."[^"]+") \((.*), '
-    r'CONSTRAINT "[^"]+" PRIMARY KEY \(([^)]*)\)\)\Z',
-    re.DOTALL,
-)
-
-
-def foreign_tables(conn: psycopg.Connection[Any], names: Names) -> list[str]:
-    """The backend's tables that exist with another primary key than ``migrate()`` makes,
-    each described (``CREATE TABLE IF NOT EXISTS`` passes them over)."""
-    shapes = {}
-    for statement in ddl(names):
-        found = _TABLE.search(statement)
-        if found is not None:
-            table, columns, key = found.groups()
-            shapes[table] = ([c.split(" ", 1)[0] for c in columns.split(", ")], key.split(", "))
-    rows = conn.execute(
-        "-- shapes: table names | (name, columns, primary key columns) of those that exist\n"
-        "SELECT t.name, array(SELECT a.attname::text FROM pg_catalog.pg_attribute AS a "
-        "WHERE a.attrelid = to_regclass(t.name) AND a.attnum > 0 AND NOT a.attisdropped "
-        "ORDER BY a.attnum), array(SELECT a.attname::text FROM pg_catalog.pg_index AS i, "
-        "unnest(i.indkey) WITH ORDINALITY AS k(num, place), pg_catalog.pg_attribute AS a "
-        "WHERE i.indrelid = to_regclass(t.name) AND i.indisprimary "
-        "AND a.attrelid = i.indrelid AND a.attnum = k.num ORDER BY k.place) "
-        "FROM unnest(%s::text[]) AS t(name) WHERE to_regclass(t.name) IS NOT NULL",
-        (list(shapes),),
-    ).fetchall()
-    foreign = []
-    for table, columns, key in rows:
-        wanted, wanted_key = shapes[table]
-        # Another primary key: not a table of any version (those differ in columns,
-        # which preparing the statements names).
-        if key != wanted_key:
-            foreign.append(
-                f"table {table} has columns ({', '.join(columns)}) and primary key "
-                f"({', '.join(key)}), not ({', '.join(wanted)}) and ({', '.join(wanted_key)})"
-            )
-    return foreign
+        raise _Unfit(f"missing {', '.join(missing)}: {_MIGRATE}")
+    return kinds
 
 
 #: The rights the backend uses on each relation (``sequence`` for the fence sequence):
@@ -276,6 +261,27 @@ _RIGHTS = {
     "fence_guard": ("SELECT", "INSERT"),
     "fence": ("USAGE", "SELECT", "UPDATE"),
 }
+
+
+def _version_problem(recorded: int | None) -> str:
+    """What is wrong with the schema version ``recorded`` (None: no locks table), or ""."""
+    if recorded is None or recorded == SCHEMA_VERSION:
+        return ""
+    if recorded > SCHEMA_VERSION:
+        return (
+            f"schema version {recorded}, newer than this process's {SCHEMA_VERSION}: a newer "
+            "celery-dlock migrated it; upgrade this process (its migrate() refuses the schema, "
+            "so that it does not put back its own SQL functions)"
+        )
+    unrecorded = (
+        " (none recorded: made, or last migrated, by a release from before schema versions)"
+        if recorded == 0
+        else ""
+    )
+    return (
+        f"schema version {recorded}{unrecorded}, older than this process's {SCHEMA_VERSION}: "
+        f"{_MIGRATE}; tables kept with Alembic take this version's schema.metadata()"
+    )
 
 
 def _lacking(conn: psycopg.Connection[Any], names: Names) -> dict[str, list[str]]:

@@ -76,7 +76,14 @@ def functions(statements: Statements) -> list[str]:
   v_unlocked boolean;
 BEGIN
   IF p_key IS NULL OR p_key = '' OR p_holder IS NULL OR p_holder = '' THEN
-    RAISE EXCEPTION 'acquire needs a key and a holder' USING ERRCODE = '22004';
+    RAISE EXCEPTION 'acquire needs a key and a holder: the % is %',
+      CASE WHEN coalesce(p_key, '') = '' THEN 'key' ELSE 'holder' END,
+      CASE WHEN p_key IS NULL OR (p_key <> '' AND p_holder IS NULL) THEN 'NULL' ELSE 'empty' END
+      USING ERRCODE = '22004';
+  END IF;
+  IF octet_length(p_holder) > {MAX_KEY_BYTES} THEN
+    RAISE EXCEPTION 'a holder is at most {MAX_KEY_BYTES} bytes, not %', octet_length(p_holder)
+      USING ERRCODE = '22023';
   END IF;
   IF octet_length(p_key) > {MAX_KEY_BYTES} OR p_key ~ '[\x01-\x1f\x7f-\x9f\u2028\u2029]' THEN
     RAISE EXCEPTION 'a key is at most {MAX_KEY_BYTES} bytes of UTF-8, without control '
@@ -89,6 +96,13 @@ BEGIN
   IF NOT EXISTS (SELECT FROM {n.guard}) THEN  -- after a crash: fences move up first
 {guard}
   END IF;
+  -- This session's advisory locks of leases no longer its own (an acquire rolled back, a
+  -- lease released or forced from another session): let go, or they pile up in a pooled
+  -- session. Only this session makes rows with its pid, so an orphan never turns live.
+  PERFORM pg_advisory_unlock({keys.of("o.objid::int8")})
+  FROM ({keys.held(" AND p.pid = pg_backend_pid()", "p.objid ")}) AS o
+  WHERE NOT EXISTS (SELECT FROM {n.locks} AS l WHERE l.backend_pid = pg_backend_pid()
+                    AND (l.fence & 4294967295) = o.objid::int8);
   v_holder := {holder};
   {acquire}
   INTO v_fence, v_at, v_until, v_locked, v_pid;

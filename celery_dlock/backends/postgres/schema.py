@@ -14,7 +14,9 @@ schema is new. The tables created this way behave as after ``migrate()``, but fo
 the first session finds the fence guard empty, as after a crash, and moves the fence sequence
 up by ``FENCE_GAP`` (10**9) before its first grant, so fences start above a billion (they
 only have to rise); and the SQL functions for SQL clients are ``migrate()``'s alone (the
-doctor notes their absence; ``migrate()`` adds them and changes nothing else here).
+doctor notes their absence; ``migrate()`` adds them and changes nothing else here). The locks
+table's comment records the schema version, as ``migrate()`` does: after an upgrade, let
+autogenerate emit its change with the others, or the doctor reports the schema as older.
 
 Importing this module needs SQLAlchemy (the backend itself does not).
 """
@@ -35,6 +37,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSON
 
+from celery_dlock.backends.postgres.migration import locks_comment
 from celery_dlock.backends.postgres.sql import COMMENTS, FENCE_START, validate_names
 
 __all__ = ["metadata"]
@@ -82,7 +85,7 @@ def metadata(schema: str = "dlock", table_prefix: str = "") -> MetaData:
         Column("backend_pid", Integer, nullable=False),
         PrimaryKeyConstraint("key", name=f"{p}locks_pkey"),
         prefixes=["UNLOGGED"],
-        comment=COMMENTS["locks"],
+        comment=locks_comment(),
     )
     history = Table(
         f"{p}history",

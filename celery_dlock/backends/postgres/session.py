@@ -51,7 +51,7 @@ _LEAVER_IDLE = 5.0
 _SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 #: Seconds between two looks at the lock session by the watcher of leases without a ttl.
 WATCH_EVERY = 1.0
-#: Seconds between sweeps of the advisory locks a session holds (``PostgresBackend._sweep``).
+#: Seconds between sweeps of the advisory locks a session holds (``Client.sweep``).
 SWEEP_EVERY = 1.0
 
 logger = logging.getLogger("celery_dlock.postgres")
@@ -155,7 +155,7 @@ class Client:
         self.config = config
         self.mutex = threading.Lock()
         self.session: Session | None = None
-        #: Fences of leases whose session ended: their release and renew return None.
+        #: Fences of leases lost (session ended; watched, then swept): release, renew give None.
         self.lost: set[int] = set()
         #: key -> ``time.monotonic()`` until which this process lets the key's waiters go first.
         self.polite: dict[str, float] = {}
@@ -217,13 +217,22 @@ class Client:
             self.lost.update(session.held)
             _close_quietly(session.conn)
 
-    # -- watching for the end of the lock session -------------------------------------------
+    def sweep(self, session: Session) -> None:
+        """Let go of the advisory locks of leases gone elsewhere (caller holds ``mutex``)."""
+        params = {"fences": list(session.held), "keys": list(session.held.values())}
+        session.cursor.execute(self.config.statements.sweep, params, prepare=True)
+        gone = {int(row[0]) for row in session.cursor.fetchall()}
+        with self._watch_mutex:  # lost if watched; others (kept for a retry) are not ours
+            self.lost.update(gone.intersection(self._watched))
+        session.held = {fence: key for fence, key in session.held.items() if fence not in gone}
+        session.swept = time.monotonic()
+
+    # -- watching the leases held by the lock session -----------------------------------------
 
     def watch(self, lease: Lease, on_lost: Callable[[Lease], None]) -> Callable[[], None]:
-        """Call ``on_lost(lease)`` once if the lock session ends while ``lease`` is watched:
-        a thread looks at the session every :data:`WATCH_EVERY` seconds (one look costs no
-        round trip: the server's goodbye or the socket's end is already there to read).
-        Returns the function that stops watching."""
+        """Call ``on_lost(lease)`` once if ``lease`` is lost while watched: every
+        :data:`WATCH_EVERY` seconds a thread looks whether the lock session ended (no round
+        trip) and sweeps it (``_sweep_watched``). Returns the function that stops watching."""
         fence = lease.fence
         with self._watch_mutex:
             self._watched[fence] = (lease, weakly(on_lost))
@@ -245,6 +254,7 @@ class Client:
             time.sleep(WATCH_EVERY)
             with self.mutex:
                 self._look()
+                self._sweep_watched()
                 lost = set(self.lost)
             with self._watch_mutex:
                 ended = [self._watched.pop(f) for f in list(self._watched) if f in lost]
@@ -259,12 +269,29 @@ class Client:
         """Drop the lock session if the server ended it or its socket did (caller holds
         ``mutex``, so no statement is under way and anything to read is unasked for)."""
         session = self.session
-        if session is None:
-            return
-        if has_ended(session.conn):
+        if session is not None and has_ended(session.conn):
             extra = fields("session_ended", backend=self.config.url)
             logger.warning("the lock session (backend pid %d) ended", session.pid, extra=extra)
             self.drop()
+
+    def _sweep_watched(self) -> None:
+        """Sweep the lock session (caller holds ``mutex``) while it holds a watched lease
+        without a ttl, so that an idle holder sees it force-released or ended elsewhere: a
+        round trip a second while there is one (none when an acquire just swept)."""
+        session = self.session
+        if session is None or time.monotonic() - session.swept < SWEEP_EVERY / 2:
+            return
+        with self._watch_mutex:
+            untimed = [held.fence for held, _ in self._watched.values() if held.expires_at is None]
+        if session.held.keys().isdisjoint(untimed):
+            return
+        try:
+            self.sweep(session)
+        except psycopg.Error as exc:
+            if connection_lost(exc, session.conn):
+                self.drop()  # its leases are lost, and reported so
+            extra = fields("sweep_failed", backend=self.config.url)
+            logger.warning("sweeping the lock session failed: %s", exc, extra=extra)
 
     # -- waiters ---------------------------------------------------------------------------
 

@@ -139,9 +139,9 @@ class Statements:
         self._recording(n)
         self.hand_over = (
             "-- hand_over: key, token, ttl | (acquired_at, expires_at, advisory lock let go) "
-            "of the lease, alive by its ttl alone from now on; no row when not ours or expired\n"
-            f"UPDATE {n.locks} SET expires_at = {_TTL}, backend_pid = {HANDED_OVER} "
-            "WHERE key = %(key)s AND token = %(token)s "
+            "of the lease, alive by its ttl alone, never shortened; no row when not ours\n"
+            f"UPDATE {n.locks} SET expires_at = GREATEST(expires_at, {_TTL}), backend_pid = "
+            f"{HANDED_OVER} WHERE key = %(key)s AND token = %(token)s "
             "AND (expires_at IS NULL OR expires_at > clock_timestamp()) "
             f"RETURNING {_epoch('acquired_at')}, {_epoch('expires_at')}, "
             f"CASE WHEN %(unlock)s THEN pg_advisory_unlock({keys.of('fence')}) END"

@@ -71,14 +71,16 @@ class PostgresStore(LockBackend):
     def from_url(cls, url: str, **options: Any) -> PostgresStore:
         return cls(url, **options)
 
-    def migrate(self) -> None:
+    def migrate(self) -> str:
         """Create the schema, sequence, tables and indexes if missing (idempotent; safe to
-        run from several processes at once). Needs CREATE rights on the database.
+        run from several processes at once). Needs CREATE rights on the database. Returns
+        what it did: ``created``, ``upgraded from schema version N``, ``completed`` (parts
+        were missing) or ``up to date``.
 
         Raises:
             BackendError: the server failed or refused.
         """
-        migrate(self._config)
+        return migrate(self._config)
 
     # -- acquire and release -------------------------------------------------------------
 
@@ -118,7 +120,7 @@ class PostgresStore(LockBackend):
         try:
             with using_session(client, self.url, "acquire") as session:
                 if session.held and time.monotonic() - session.swept > SWEEP_EVERY:
-                    self._sweep(session)
+                    client.sweep(session)
                 try:
                     row = self._grant(session, holder, params, polite=polite)
                 except psycopg.errors.NotNullViolation:
@@ -169,15 +171,6 @@ class PostgresStore(LockBackend):
         if self._async is None:
             self._async = AsyncPostgres(self._config, self._clients, self._holder_json)
         return self._async
-
-    def _sweep(self, session: Session) -> None:
-        """Let go of advisory locks whose lease is gone without our release: taken over by
-        its retry in another process, force-released, or reaped after its ttl."""
-        params = {"fences": list(session.held), "keys": list(session.held.values())}
-        session.cursor.execute(self._sql.sweep, params, prepare=True)
-        for row in session.cursor.fetchall():
-            session.held.pop(int(row[0]), None)
-        session.swept = time.monotonic()
 
     def release(
         self,

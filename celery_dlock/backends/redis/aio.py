@@ -3,15 +3,18 @@ read, wait) on redis-py's asyncio connections, for :class:`~celery_dlock.AsyncLo
 
 The scripts, their packing and the reading of their replies are the blocking client's
 (:mod:`~celery_dlock.backends.redis.calls`); only the sending differs. Each event loop has
-its own idle connections (an asyncio connection belongs to the loop that opened it); a
-call that is cancelled or fails between its send and its reply closes its connection, so
-no reply is ever read by the wrong call. Retries, their backoff and the errors are the
-blocking client's.
+its own connections (an asyncio connection belongs to the loop that opened it), at most
+``MAX_CONNECTIONS`` of them, ``MAX_WAITERS`` of those in a ``BLPOP``; a call that is
+cancelled or fails between its send and its reply closes its connection, so no reply is
+ever read by the wrong call. An acquire cancelled so (by the loop's end) releases by token
+what it may have got before the cancel goes on. Retries, their backoff and the errors are
+the blocking client's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import AsyncGenerator, Callable, Sequence
 from functools import partial
@@ -27,19 +30,36 @@ from celery_dlock.backends.common import LoopLocal
 from celery_dlock.backends.redis.calls import Calls
 from celery_dlock.backends.redis.client import AMBIGUOUS, Client, backoff, doubt
 from celery_dlock.backends.redis.fields import lease_from_state
-from celery_dlock.backends.redis.scripts import ACQUIRE, PEEK, PROBE, RELEASE, RENEW, Script, bulks
+from celery_dlock.backends.redis.resp import bulks
+from celery_dlock.backends.redis.scripts import ACQUIRE, PEEK, PROBE, RELEASE, RENEW, Script
 from celery_dlock.errors import BackendError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = ["AsyncRedis"]
 
 
+#: Connections a loop opens at most (a coroutine is cheap, a connection is a file
+#: descriptor and a Redis client): calls past this wait for one to come free...
+MAX_CONNECTIONS = 512
+#: ...idle ones it keeps for good (more are closed once ``IDLE`` seconds unused: after a
+#: burst, not during one, where closing and opening again would cost a connect a call)...
+MAX_IDLE = 16
+IDLE = 5.0
+#: ...and those blocked in ``BLPOP`` at once, the rest being left to calls: waiters past
+#: this sleep their step and look again (``AsyncLock`` tries the key), as after a lost
+#: wake-up.
+MAX_WAITERS = 256
+
+
 class _LoopConnections:
-    """One event loop's idle connections, and the acquires whose reply it lost."""
+    """One event loop's connections, and the acquires whose reply it lost."""
 
     def __init__(self, make: Callable[[], Any]) -> None:
         self._make = make
-        self._idle: list[Any] = []
+        self._idle: list[tuple[Any, float]] = []  # with when each was last used
+        self._open = 0  # idle or in a call
+        self._freed: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.blocked = 0  # in a BLPOP now
         #: (key, token) of acquires whose reply never came: released once Redis answers.
         self.doubtful: list[tuple[str, str]] = []
         self._keeper: AsyncGenerator[None, None] | None = None
@@ -55,31 +75,73 @@ class _LoopConnections:
     async def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any:
         """Send one command packed as ``count`` bulk strings; its reply. ``timeout`` bounds
         the read (None: the socket timeout)."""
-        try:
-            connection = self._idle.pop()
-        except IndexError:
-            if self._keeper is None:
-                self._keeper = self._keep()
-                await anext(self._keeper)
-            connection = self._make()
+        connection = await self._take()
         try:
             await connection.send_packed_command(b"*%d\r\n%b" % (count, packed), False)
             reply = await connection.read_response(timeout=timeout)
         except ResponseError:
-            self._idle.append(connection)  # a whole reply was read: in step
+            await self._put_back(connection)  # a whole reply was read: in step
             raise
         except BaseException:
             # Cancelled or failed between send and reply: a reply may still come. Closed,
             # never reused (``nowait``: a cancelled call does not wait for the close).
-            with contextlib.suppress(Exception):
-                await connection.disconnect(nowait=True)
+            await self._drop(connection)
             raise
-        self._idle.append(connection)
+        await self._put_back(connection)
         return reply
+
+    async def _take(self) -> Any:
+        """An idle connection, or a new one; with ``MAX_CONNECTIONS`` open and busy, one
+        that comes free (the calls waiting are woken in turn)."""
+        while not self._idle and self._open >= MAX_CONNECTIONS:
+            freed = asyncio.get_running_loop().create_future()
+            self._freed.append(freed)
+            try:
+                await freed
+            except asyncio.CancelledError:
+                if not freed.cancelled():  # woken as the cancel came: wake the next
+                    self._wake()
+                raise
+        if self._idle:
+            return self._idle.pop()[0]  # the last used: the others age, and are closed
+        if self._keeper is None:
+            self._keeper = self._keep()
+            await anext(self._keeper)
+        self._open += 1
+        return self._make()
+
+    def _wake(self) -> None:
+        """Wake the first call still waiting for a connection."""
+        while self._freed:
+            freed = self._freed.popleft()
+            if not freed.done():
+                freed.set_result(None)
+                return
+
+    async def _put_back(self, connection: Any) -> None:
+        """Keep ``connection`` idle for the next call; close the oldest idle past
+        ``MAX_IDLE`` that went unused for ``IDLE`` seconds."""
+        now = asyncio.get_running_loop().time()
+        self._idle.append((connection, now))
+        self._wake()
+        while len(self._idle) > MAX_IDLE and self._idle[0][1] < now - IDLE:
+            oldest, _ = self._idle.pop(0)
+            await self._drop(oldest, nowait=False)  # its socket closed on return
+
+    async def _drop(self, connection: Any, nowait: bool = True) -> None:
+        """Close ``connection``: at once (a cancelled call does not wait), or its socket
+        closed before another may be opened in its place."""
+        try:
+            with contextlib.suppress(Exception):
+                await connection.disconnect(nowait=nowait)
+        finally:
+            self._open -= 1
+            self._wake()  # a call waiting may open one now
 
     async def close(self) -> None:
         idle, self._idle = self._idle, []
-        for connection in idle:
+        self._open -= len(idle)
+        for connection, _ in idle:
             with contextlib.suppress(Exception):
                 await connection.disconnect()
 
@@ -143,18 +205,31 @@ class AsyncRedis:
         place: Place | None = None,
     ) -> Lease | None:
         connections = self._connections()
-        while connections.doubtful:  # acquires whose reply was lost: their leases go first
-            doubtful_key, token = connections.doubtful[0]
-            keys, args = self._calls.settle_call(doubtful_key, token)
-            await self._eval(RELEASE, keys, args, "release", doubtful_key)
-            connections.doubtful.pop(0)
+        await self._settle(connections, key)  # the error is this acquire's
         tokens, count, tail, again = self._calls.acquire_call(key, holder, ttl, replace)
         try:
             reply = await self._run(ACQUIRE, count, tail, operation="acquire", key=key, again=again)
         except BackendError as exc:
             doubt(connections.doubtful, exc, key, tokens)
             raise
+        except asyncio.CancelledError:
+            # Cancelled between send and reply (AsyncLock's try is cancelled only by the
+            # loop's end, with the tasks left): a lease that landed has no holder to
+            # release it before its ttl. Released by token now, before the cancel goes on.
+            connections.doubtful.extend((key, token) for token in tokens)
+            with contextlib.suppress(BackendError):
+                await self._settle(connections, key)
+            raise
         return self._calls.acquired(key, holder, tokens[-1], reply)
+
+    async def _settle(self, connections: _LoopConnections, key: str) -> None:
+        """Release the leases of acquires whose reply was lost, recorded ``disconnected``
+        (a release by token: nothing happens to a try that never landed)."""
+        while connections.doubtful:
+            doubtful_key, token = connections.doubtful[0]
+            keys, args = self._calls.settle_call(doubtful_key, token)
+            await self._eval(RELEASE, keys, args, "acquire", key)
+            connections.doubtful.pop(0)
 
     async def release(
         self,
@@ -201,10 +276,22 @@ class AsyncRedis:
                 return
             pauses.append(pause)
         signals = [self._calls.layout.names(key).signal for key in keys]
-        pause = min(pauses)
+        connections, pause = self._connections(), min(pauses)
+        if connections.blocked >= MAX_WAITERS:
+            await asyncio.sleep(pause)  # no connection to spare: a poll, one step long
+            return
+        connections.blocked += 1
+        try:
+            await self._blpop(connections, signals, pause, keys)
+        finally:
+            connections.blocked -= 1
+
+    async def _blpop(
+        self, connections: _LoopConnections, signals: list[bytes], pause: float, keys: Sequence[str]
+    ) -> None:
         packed = bulks(["BLPOP", *signals, f"{pause:.3f}"])
         try:
-            await self._connections().send(packed, len(keys) + 2, timeout=pause + self._calls.slack)
+            await connections.send(packed, len(keys) + 2, timeout=pause + self._calls.slack)
         except AMBIGUOUS:  # only a wake-up: look again (see Client.blpop)
             await asyncio.sleep(min(pause, backoff(2)))
         except RedisError as exc:

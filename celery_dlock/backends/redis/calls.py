@@ -16,7 +16,7 @@ from celery_dlock.backends.base import remembered, validate_ttl
 from celery_dlock.backends.common import retried_details, taken_over
 from celery_dlock.backends.redis.fields import encode_json, holder_json, optional_seconds
 from celery_dlock.backends.redis.layout import Layout
-from celery_dlock.backends.redis.scripts import bulks
+from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["FALLBACK", "TURN", "Calls", "ms"]
@@ -30,6 +30,16 @@ FALLBACK = 15.0
 #: Longest ``BLPOP`` on one bucket's signal lists when a wait for several keys spans buckets
 #: (on a cluster one command stays in one hash slot): the buckets take turns.
 TURN = 0.1
+#: Parts of an ``ACQUIRE`` and of a ``RELEASE`` after ``EVALSHA sha``: the number of keys,
+#: the keys (8; 5, or 6 with a result to keep), the 3 shared arguments and the lock's key,
+#: then 8 and 7 of their own.
+_ACQUIRE_PARTS = 1 + 8 + 4 + 8
+_RELEASE_PARTS = 1 + 5 + 4 + 7
+#: Packed: no lease to take over, and no details for its record (an acquire's last parts).
+_NONE_REPLACED = bulks(["", ""])
+#: Packed: each outcome, and a record's problem, details and result all null.
+_OUTCOMES = {outcome: bulks([outcome.value]) for outcome in Outcome}
+_NULLS = bulks(["null"] * 3)
 #: The details of a lease released because the reply to its acquire was lost.
 _SETTLED = encode_json(
     "the reply to this acquire was lost; its lease was released once Redis answered"
@@ -68,7 +78,8 @@ class Calls:
         self.common = (str(history_maxlen), ms(gc_after), _SIGNAL_MS)
         self.success_ms = ms(success_ttl)
         self.slack = slack
-        self._restart_ms = "0" if restart_delay == 0 else ms(restart_delay)
+        self._restart_ms = bulks(["0" if restart_delay == 0 else ms(restart_delay)])
+        self._ttls: dict[float | None, bytes] = {}
         # The epoch seen per bucket: knowledge, not a resource, so a forked child keeps it.
         self._epochs: dict[bytes, bytes] = {}
         self._holder: tuple[Holder, bytes] | None = None
@@ -90,6 +101,16 @@ class Calls:
             self._segments[key, numkeys] = segment
         return segment
 
+    def _ttl_ms(self, ttl: float | None) -> bytes:
+        """``ttl`` packed as the scripts take it (empty: none), for the few ttls in use."""
+        packed = self._ttls.get(ttl)
+        if packed is None:
+            packed = bulks(["" if ttl is None else ms(ttl)])
+            if len(self._ttls) >= 64:
+                self._ttls.clear()
+            self._ttls[ttl] = packed
+        return packed
+
     def _holder_json(self, holder: Holder) -> bytes:
         """The holder as stored, for the last holder seen (a worker acquires as one)."""
         cached = self._holder
@@ -109,23 +130,29 @@ class Calls:
         ones, so that a try whose lease Redis expired is never granted again."""
         ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
         tokens = [new_token()]
-        head = self._segment(key, 7)
-        args: list[bytes | str] = [
-            "" if ttl is None else ms(ttl),
-            self._holder_json(holder),
-            self._epochs.get(self.layout.names(key).epoch, b""),
+        head = self._segment(key, 8)
+        text = self._holder_json(holder)
+        epoch = self._epochs.get(self.layout.names(key).epoch, b"")
+        # ttl, holder, epoch, quarantine, the token of a lease to take over and its details
+        args = b"%b$%d\r\n%b\r\n$%d\r\n%b\r\n%b%b" % (
+            self._ttl_ms(ttl),
+            len(text),
+            text,
+            len(epoch),
+            epoch,
             self._restart_ms,
-            replace or "",
-            "" if replace is None else encode_json(retried_details(holder)),
-        ]
+            _NONE_REPLACED
+            if replace is None
+            else bulks([replace, encode_json(retried_details(holder))]),
+        )
 
         def again() -> bytes:
             earlier = " ".join(tokens)
             tokens.append(new_token())
-            return head + bulks([tokens[-1], *args, earlier])
+            return head + bulks([tokens[-1]]) + args + bulks([earlier])
 
-        tail = head + bulks([tokens[0], *args, ""])
-        return tokens, self._segment_count(7) + len(args) + 2, tail, again
+        tail = b"%b$%d\r\n%b\r\n%b$0\r\n\r\n" % (head, len(tokens[0]), tokens[0].encode(), args)
+        return tokens, _ACQUIRE_PARTS, tail, again
 
     def acquired(self, key: str, holder: Holder, token: str, reply: bytes) -> Lease | None:
         """The lease an ``ACQUIRE`` sent last as ``token`` grants (or an earlier try of it,
@@ -167,27 +194,21 @@ class Calls:
         """Part count and packed tail of a ``RELEASE``, and the tail of its retry."""
         key = lease.key
         task_name = remembered(outcome, result, lease.holder.task_name)
-        keeps_result = task_name is not None
-        if keeps_result:
-            names = self.layout.names(key)
-            keys = [*names[:5], self.layout.result(key, str(task_name))]
-            head = bulks([6, *keys, *self.common, names.raw])
-        else:
+        if task_name is None:
             head = self._segment(key, 5)
-        args = [
-            lease.token,
-            outcome.value,
-            encode_json(problem),
-            encode_json(details),
-            encode_json(result),
-        ]
-        result_ms = self.success_ms if keeps_result else ""
-        count = self._segment_count(6 if keeps_result else 5) + len(args) + 2
-        return (
-            count,
-            head + bulks([*args, "0", result_ms]),
-            lambda: head + bulks([*args, "1", result_ms]),
-        )
+            count, result_ms = _RELEASE_PARTS, b"$0\r\n\r\n"
+        else:
+            names = self.layout.names(key)
+            keys = [*names[:5], self.layout.result(key, task_name)]
+            head = bulks([6, *keys, *self.common, names.raw])
+            count, result_ms = _RELEASE_PARTS + 1, bulks([self.success_ms])
+        token = lease.token.encode()
+        if problem is None and details is None and result is None:
+            ending = _OUTCOMES[outcome] + _NULLS
+        else:
+            ending = bulks([outcome.value, *map(encode_json, (problem, details, result))])
+        body = b"%b$%d\r\n%b\r\n%b" % (head, len(token), token, ending)
+        return count, body + b"$1\r\n0\r\n" + result_ms, lambda: body + b"$1\r\n1\r\n" + result_ms
 
     @staticmethod
     def released(
@@ -208,11 +229,13 @@ class Calls:
             lease = with_fields(lease, expires_at=expires_at)
         return Record(lease, float(released), outcome, problem, details, result)
 
-    def renew_call(self, lease: Lease, ttl: float | None) -> tuple[int, bytes]:
-        """Part count and packed tail of a ``RENEW``."""
+    def renew_call(
+        self, lease: Lease, ttl: float | None, hand_over: bool = False
+    ) -> tuple[int, bytes]:
+        """Part count and packed tail of a ``RENEW`` (of a ``hand_over``: never shorter)."""
         ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
-        tail = self._segment(lease.key, 5) + bulks([lease.token, "" if ttl is None else ms(ttl)])
-        return self._segment_count(5) + 2, tail
+        args = [lease.token, "" if ttl is None else ms(ttl), "1" if hand_over else ""]
+        return self._segment_count(5) + 3, self._segment(lease.key, 5) + bulks(args)
 
     @staticmethod
     def renewed(lease: Lease, reply: Any) -> Lease | None:

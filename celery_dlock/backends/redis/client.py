@@ -5,7 +5,8 @@ Commands go over redis-py ``Connection`` objects but not through its client or p
 loopback a round trip is about 50 µs and redis-py's ``execute_command`` adds about 25 µs
 (pool lock, event dispatch, metrics, argument packing), which the hot path avoids by
 keeping idle connections on a list and packing the constant part of each script call once
-(``scripts.bulks``). redis-py still connects, authenticates, speaks TLS and parses replies.
+(``resp.bulks``); the hot scripts' replies are read off the socket here (``resp``).
+redis-py still connects, authenticates, speaks TLS and reads every other reply.
 """
 
 from __future__ import annotations
@@ -19,16 +20,35 @@ from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, MovedError, NoScriptError, RedisError, ResponseError
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from celery_dlock.backends.common import ProcessLocal
-from celery_dlock.backends.redis.scripts import Script, bulks
+from celery_dlock.backends.redis.resp import bulks, call_simple
+from celery_dlock.backends.redis.scripts import Script
 from celery_dlock.errors import BackendError
 
 __all__ = ["AMBIGUOUS", "Client", "Connections", "Wire", "backoff", "doubt"]
+
+
+def _raw_readable() -> bool:
+    """Whether redis-py's connections have the private parts ``resp.call_simple`` reads past
+    (``_sock``, ``_parser.parse_error``: redis-py 5 to 8); without them, its reader reads."""
+    probe = redis.connection.Connection()  # type: ignore[no-untyped-call]  # not connected
+    parser = getattr(probe, "_parser", None)
+    return hasattr(probe, "_sock") and callable(getattr(parser, "parse_error", None))
+
+
+_RAW = _raw_readable()
 
 #: Failures after which a command may or may not have run: retried, then read back.
 AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
@@ -51,7 +71,9 @@ class Wire(Protocol):
     #: (key, token) of acquires whose reply never came: released once Redis answers.
     doubtful: list[tuple[str, str]]
 
-    def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any: ...
+    def send(
+        self, packed: bytes, count: int, timeout: float | None = None, simple: bool = False
+    ) -> Any: ...
 
     def call(self, *args: Any, timeout: float | None = None) -> Any: ...
 
@@ -91,11 +113,19 @@ class Connections:
         """Send one command and return its reply; ``timeout`` bounds the read (seconds)."""
         return self.send(bulks(args), len(args), timeout)
 
-    def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any:
-        """``call`` for a command already packed as ``count`` bulk strings."""
+    def send(
+        self, packed: bytes, count: int, timeout: float | None = None, simple: bool = False
+    ) -> Any:
+        """``call`` for a command already packed as ``count`` bulk strings; ``simple``: its
+        reply is one bulk string or integer, read here (``resp.call_simple``)."""
         connection = self._take()
         try:
-            connection.send_packed_command([b"*%d\r\n%b" % (count, packed)])
+            command = b"*%d\r\n%b" % (count, packed)
+            if simple and not connection.health_check_interval and _RAW:
+                if connection._sock is None:
+                    connection.connect()
+                return call_simple(connection._sock, command, connection._parser.parse_error)
+            connection.send_packed_command([command])
             if timeout is None:
                 return connection.read_response()
             return connection.read_response(timeout=timeout)
@@ -181,19 +211,20 @@ class Client:
         operation: str,
         key: str | None = None,
         again: Callable[[], bytes] | None = None,
+        wire: Wire | None = None,
     ) -> Any:
         """Run ``script`` by its SHA (sending its source on ``NOSCRIPT``) with ``tail``, its
         ``count`` packed parts (number of keys, keys, arguments); retry a failed connection
         with ``again()`` as the tail, where given, so the script can tell a repeat of a call
-        whose reply was lost."""
-        send = self._local.get().send
+        whose reply was lost. ``wire``: ``connections()``, where the caller has it."""
+        send = (wire or self._local.get()).send
         attempt = 0
         while True:
             try:
                 try:
-                    return send(script.by_sha + tail, count + 2)
+                    return send(script.by_sha + tail, count + 2, None, script.simple)
                 except NoScriptError:
-                    return send(script.by_source + tail, count + 2)
+                    return send(script.by_source + tail, count + 2, None, script.simple)
             except AMBIGUOUS as exc:
                 if attempt >= self.retries:
                     raise self.error(operation, key, exc) from exc
@@ -297,6 +328,9 @@ class Client:
             # A node of a cluster serves the slots it owns and redirects the rest: some
             # keys work, others fail, which a cluster client would have followed.
             hint = " (this Redis is a node of a Redis Cluster: use redis+cluster://host:port)"
+        elif isinstance(exc, AuthenticationError) and not self.connection.get("password"):
+            # Without a password redis-py's HELLO is refused with a message about HELLO.
+            hint = " (this Redis requires a password: redis://:password@host:port)"
         return BackendError(f"{what} failed: {type(exc).__name__}: {exc}{hint}", self.url)
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_dlock.backends.redis.client import Connections
-from celery_dlock.backends.redis.scripts import bulks
+from celery_dlock.backends.redis.resp import bulks
 
 __all__ = ["ClusterConnections"]
 
@@ -105,13 +105,15 @@ class ClusterConnections:
         key = routing_key(packed)
         return self._slots[0] if key is None else self._slots[key_slot(key)]
 
-    def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any:
+    def send(
+        self, packed: bytes, count: int, timeout: float | None = None, simple: bool = False
+    ) -> Any:
         """``Connections.send`` to the primary of the command's slot."""
         node = self._route(packed)
         for hop in range(_HOPS):
             try:
                 try:
-                    return self._node(node).send(packed, count, timeout)
+                    return self._node(node).send(packed, count, timeout, simple)
                 except AskError as ask:
                     return self._ask(ask, b"*%d\r\n%b" % (count, packed))
             except MovedError as moved:

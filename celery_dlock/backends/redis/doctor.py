@@ -15,13 +15,13 @@ def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
     evicting = "" if policy == "noeviction" else ": an evicted lock key is a lock given away"
     persistence = (
         "AOF on: locks and history survive a restart; with appendfsync everysec (the "
-        "default) a crash can lose the last second's leases, whose keys are then granted "
-        "again at once (with a higher fence)"
+        "default) a crash can lose the last second's leases, whose holders see them lost "
+        "while no lock is granted for restart_delay"
         if info.get("aof_enabled") == "1"
         else "no AOF: a restart that loses every key loses locks and history; holders see "
         "their leases lost and no lock is granted for restart_delay. With RDB snapshots "
         "(save points) a crash brings back the last snapshot instead: leases taken since "
-        "are lost and their keys granted again at once (with a higher fence), leases "
+        "are lost (no lock is granted for restart_delay, so their holders notice), leases "
         "released since are held again (one without a ttl until `celery dlock release`)"
     )
     role = info.get("role", "?")

@@ -1,4 +1,5 @@
-"""Reading the history streams: ``XREVRANGE`` back to ``since``, filtered here."""
+"""Reading the history streams: ``XREVRANGE`` back to ``since``; a filter by key or
+outcome runs in Redis (``FIND``), so only the records asked for travel."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import math
 
 from celery_dlock.backends.redis.client import Client
 from celery_dlock.backends.redis.fields import record_from_fields, seconds
+from celery_dlock.backends.redis.history_scripts import FIND
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.records import Outcome, Record
 
 __all__ = ["ms_floor", "read"]
+
+#: Entries a ``FIND`` looks at per call: about 5 ms of Redis time on a busy 2-core VM
+#: (other clients wait it out; an XREVRANGE of the 1,000 entries read before took 3 ms).
+FIND_SCAN = 500
 
 
 def ms_floor(when: float) -> int:
@@ -50,25 +56,30 @@ def _bucket(
     limit: int | None,
 ) -> list[Record]:
     stream = layout.history(bucket)
-    raw_key = None if key is None else key.encode("utf-8", "surrogatepass")
-    raw_outcome = None if outcome is None else Outcome(outcome).value.encode()
     low = "-" if since is None else str(max(0, ms_floor(since)))
-    high = "+"
+    high: bytes | str = "+"
+    filters: tuple[int, bytes, bytes] | None = None
+    if key is not None or outcome is not None:
+        raw_key = b"" if key is None else key.encode("utf-8", "surrogatepass")
+        raw_outcome = b"" if outcome is None else Outcome(outcome).value.encode()
+        filters = (FIND_SCAN, raw_key, raw_outcome)
     batch = 200 if limit is None else min(max(limit, 50), 1000)
     found: list[Record] = []
     while True:
-        entries = client.command("history", "XREVRANGE", stream, high, low, "COUNT", batch)
+        if filters is None:
+            entries = client.command("history", "XREVRANGE", stream, high, low, "COUNT", batch)
+            last = entries[-1][0] if len(entries) == batch else b""
+        else:
+            last, *entries = client.eval(
+                FIND, [stream], [high, low, *filters], operation="history", key=key
+            )
         for _, flat in entries:
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            if raw_key is not None and fields[b"key"] != raw_key:
-                continue
-            if raw_outcome is not None and fields[b"out"] != raw_outcome:
-                continue
             if since is not None and seconds(fields[b"rel"]) < since:
                 continue
             found.append(record_from_fields(fields))
             if limit is not None and len(found) >= limit:
                 return found
-        if len(entries) < batch:
+        if not last:
             return found
-        high = b"(" + entries[-1][0]
+        high = b"(" + last

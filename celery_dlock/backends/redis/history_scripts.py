@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from celery_dlock.backends.redis.scripts import Script
 
-__all__ = ["ADD", "PRUNE", "REMEMBER"]
+__all__ = ["ADD", "FIND", "PRUNE", "REMEMBER"]
 
 PRUNE = Script(
     "prune",
@@ -67,5 +67,35 @@ end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
+""",
+)
+
+FIND = Script(
+    "find",
+    """
+-- find: KEYS 1 history | ARGV 1 newest id (exclusive: '(' id) or '+', 2 oldest id or '-',
+-- 3 entries to look at, 4 key or '', 5 outcome or '' | the id of the last entry looked
+-- at ('' when none is left), then the entries of that key and outcome, newest first.
+-- Filtered here: a rare key's records come back without the rest of the stream.
+local entries = redis.call('XREVRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', ARGV[3])
+local found = {''}
+if #entries == tonumber(ARGV[3]) then
+  found[1] = entries[#entries][1]
+end
+for _, entry in ipairs(entries) do
+  local f = entry[2]
+  local ok = true
+  for i = 1, #f, 2 do
+    if (f[i] == 'key' and ARGV[4] ~= '' and f[i + 1] ~= ARGV[4])
+        or (f[i] == 'out' and ARGV[5] ~= '' and f[i + 1] ~= ARGV[5]) then
+      ok = false
+      break
+    end
+  end
+  if ok then
+    found[#found + 1] = entry
+  end
+end
+return found
 """,
 )

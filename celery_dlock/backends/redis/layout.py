@@ -10,6 +10,7 @@ namespace is split into buckets), and the lock key comes last, verbatim::
     {dlock}:index                    keys with a lease, scored by expiry
     {dlock}:history                  the capped stream of records
     {dlock}:epoch  {dlock}:quarantine    notice that Redis lost its data
+    {dlock}:server                   the LASTSAVE and run_id of the server last seen
 
 Redis Cluster hashes only what is between the first ``{`` and the next ``}``. The prefix
 may not hold braces, so the tag is always ours whatever the lock key holds (braces,
@@ -40,6 +41,7 @@ class LockNames(NamedTuple):
     signal: bytes
     epoch: bytes
     quarantine: bytes
+    server: bytes
     raw: bytes
 
 
@@ -92,6 +94,7 @@ class Layout:
                 tag + b"signal:" + raw,
                 tag + b"epoch",
                 tag + b"quarantine",
+                tag + b"server",
                 raw,
             )
             if len(self._cache) >= 4096:

@@ -36,8 +36,9 @@ through ``string.format``: Lua 5.1 prints numbers with 14 digits, fences have 16
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from celery_dlock.backends.redis.resp import bulks
 
 __all__ = [
     "ACQUIRE",
@@ -48,7 +49,6 @@ __all__ = [
     "RELEASE",
     "RENEW",
     "Script",
-    "bulks",
 ]
 
 
@@ -56,10 +56,12 @@ __all__ = [
 class Script:
     """A Lua script, its SHA-1 (the name ``EVALSHA`` knows it by), and the first two parts
     of the command that runs it, packed: ``EVALSHA sha`` and, after a ``NOSCRIPT``,
-    ``EVAL source``."""
+    ``EVAL source``. ``simple``: its reply is one bulk string or integer, read by
+    ``resp.call_simple``."""
 
     name: str
     source: str
+    simple: bool = False
     sha: str = field(init=False)
     by_sha: bytes = field(init=False, repr=False)
     by_source: bytes = field(init=False, repr=False)
@@ -69,22 +71,6 @@ class Script:
         object.__setattr__(self, "sha", sha)
         object.__setattr__(self, "by_sha", bulks(["EVALSHA", sha]))
         object.__setattr__(self, "by_source", bulks(["EVAL", self.source]))
-
-
-def bulks(parts: Iterable[bytes | str | int]) -> bytes:
-    """``parts`` as RESP bulk strings, for a command packed here: redis-py's packer costs
-    8 µs for the 21 parts of an acquire, this 3, and 1 with each key's constant parts
-    packed once (``RedisBackend._packed``). Text is ASCII or UTF-8; keys come as bytes."""
-    out = []
-    for part in parts:
-        if isinstance(part, str):
-            data = part.encode()
-        elif isinstance(part, int):
-            data = b"%d" % part
-        else:
-            data = part
-        out.append(b"$%d\r\n%b\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 _PRELUDE = """
@@ -168,25 +154,68 @@ end
 """
 
 
-def _script(name: str, body: str) -> Script:
+def _script(name: str, body: str, simple: bool = False) -> Script:
     """A script that may end a lease: its header comment, then the shared functions."""
     lines = body.lstrip("\n").split("\n")
     header = 0
     while lines[header].startswith("--"):
         header += 1
-    return Script(name, "\n".join([*lines[:header], _PRELUDE.strip("\n"), *lines[header:]]))
+    source = "\n".join([*lines[:header], _PRELUDE.strip("\n"), *lines[header:]])
+    return Script(name, source, simple)
 
 
 ACQUIRE = _script(
     "acquire",
     """
--- acquire: KEYS +6 epoch, 7 quarantine | ARGV +4 key, token, ttl ms or '', holder JSON,
--- epoch this client saw or '', quarantine ms, token of a live lease to take over or '',
--- details JSON for its record, tokens of this acquire's earlier tries (space-separated;
--- '' on its first) | 'fence acq exp epoch' taken as token; 'fence acq exp - earlier' an
--- earlier try took it and its reply was lost; '0 epoch' held by another, or quarantined
--- ('-': the epoch was not read); ' expired' ends the reply of a grant that recorded the
--- lease before it expired
+-- acquire: KEYS +6 epoch, 7 quarantine, 8 server | ARGV +4 key, token, ttl ms or '',
+-- holder JSON, epoch this client saw or '', quarantine ms (0: none), token of a live
+-- lease to take over or '', details JSON for its record, tokens of this acquire's
+-- earlier tries (space-separated; '' on its first) | 'fence acq exp epoch' taken as
+-- token; 'fence acq exp - earlier' an earlier try took it and its reply was lost;
+-- '0 epoch' held by another, or quarantined ('-': the epoch was not read); ' expired'
+-- ends the reply of a grant that recorded the lease before it expired
+-- restarted: the bucket's server key (the LASTSAVE and run_id last seen) or nil, now, the
+-- quarantine ms | whether this Redis is another process than the one that granted the
+-- bucket's last leases, started or promoted within the quarantine (a restart, even one
+-- that kept its data in a snapshot or an AOF, or a failover); the quarantine then begun.
+-- Leases granted after the last write that reached the disk, or the replica, are gone
+-- while their holders may still run. LASTSAVE changes at each save and at a start, so
+-- INFO (about 13 us) is read only when it did; a LASTSAVE of the current second is
+-- stored as 0: a process started within that second would have the same.
+local function restarted(seen, now, quiet)
+  local saved = redis.call('LASTSAVE')
+  local same = saved .. ' '  -- the usual case, told by the prefix (a third of a match)
+  if seen and string.sub(seen, 1, #same) == same then
+    return false
+  end
+  local run = string.match(seen or '', '^%d+ (%x+)$')
+  local info = redis.call('INFO', 'server')
+  local current = string.match(info, 'run_id:(%x+)')
+  local stamp = saved
+  if saved >= math.floor(now / 1000000) then
+    stamp = 0
+  end
+  redis.call('SET', KEYS[8], stamp .. ' ' .. current)
+  if run == current then
+    return false
+  end
+  -- Another process: the loss came at its start, and holders of lost leases noticed at
+  -- their next renewal if that was a quarantine ago. A replica promoted (it keeps its
+  -- former primary's replication id as its second) lost them now, whatever its age.
+  local left = quiet - 1000 * tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+  local replication = run and redis.call('INFO', 'replication') or ''
+  if string.match(replication, 'second_repl_offset:(%d+)') then
+    left = quiet
+  end
+  -- Never noted (a new bucket, or noted after the last write that reached the disk) and
+  -- the epoch gone too: the loss of every key, which the epoch's check below sees.
+  if left <= 0 or (not run and not redis.call('GET', KEYS[6])) then
+    return false
+  end
+  redis.call('SET', KEYS[7], int(now), 'PX', int(left))
+  return true
+end
+
 local key, token, ttl, replace = ARGV[4], ARGV[5], ARGV[6], ARGV[10]
 if ARGV[12] ~= '' then
   -- A retry: each try has a token of its own, so a lease an earlier try took and Redis
@@ -203,13 +232,25 @@ if ARGV[12] ~= '' then
   end
 end
 local now = now_us()
+local quiet = tonumber(ARGV[9])
+-- q: quarantine, server note, epoch, read once (restarted() writes none that matters here
+-- unless it refuses): the early check's, or the stateless branch's below.
+local q
+if quiet > 0 then
+  -- Refused with the epoch: a client that saw an older one learns it while quarantined,
+  -- and does not start the quarantine again when it ends (the check below).
+  q = redis.call('MGET', KEYS[7], KEYS[8], KEYS[6])
+  if q[1] or restarted(q[2], now, quiet) then
+    return '0 ' .. (q[3] or '-')
+  end
+end
 local s = redis.call('HMGET', KEYS[2], 'fence', 'tok')
 local epoch = '-'
 if not s[1] or ARGV[8] == '' then
   -- A key without state: new, idle past the retention, or lost with all of Redis's data.
   -- Only then can the epoch be gone, and every key is without state after such a loss.
-  local e = redis.call('MGET', KEYS[6], KEYS[7])
-  epoch = e[1]
+  q = q or redis.call('MGET', KEYS[7], KEYS[8], KEYS[6])
+  epoch = q[3]
   if not epoch then
     -- No epoch: first use, or Redis lost its data (restart without persistence, failover
     -- to an empty replica, FLUSHDB). Locks held then are gone while their holders may
@@ -218,7 +259,6 @@ if not s[1] or ARGV[8] == '' then
     -- the quarantine since the server started (a restart is the usual loss).
     epoch = int(now)
     redis.call('SET', KEYS[6], epoch)
-    local quiet = tonumber(ARGV[9])
     if ARGV[8] == '' and quiet > 0 then
       local info = redis.call('INFO', 'server')
       quiet = quiet - 1000 * tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
@@ -227,9 +267,11 @@ if not s[1] or ARGV[8] == '' then
       redis.call('SET', KEYS[7], epoch, 'PX', quiet)
       return '0 ' .. epoch
     end
-  elseif e[2] then
+  elseif q[1] then
+    -- Another client's quarantine, met only with restart_delay 0 (the early check
+    -- refused it otherwise): a new key waits it out all the same.
     return '0 ' .. epoch
-  elseif ARGV[8] ~= '' and ARGV[8] ~= epoch and tonumber(ARGV[9]) > 0 then
+  elseif ARGV[8] ~= '' and ARGV[8] ~= epoch and quiet > 0 then
     -- This client saw an older epoch: the data was lost and the loss first met by a client
     -- that could not know it. Stop granting locks for the quarantine from now on.
     redis.call('SET', KEYS[7], epoch, 'PX', ARGV[9])
@@ -274,15 +316,18 @@ local fence = now
 if s[1] then
   fence = math.max(tonumber(s[1]) + 1, now)
 end
-redis.call('HSET', KEYS[2], 'fence', int(fence), 'tok', token, 'holder', ARGV[7],
-           'acq', seconds(now), 'exp', exp)
+fence = int(fence)
+local acq = seconds(now)
+redis.call('HSET', KEYS[2], 'fence', fence, 'tok', token, 'holder', ARGV[7], 'acq', acq,
+           'exp', exp)
 keep_state(exp_ms)
 redis.call('ZADD', KEYS[3], exp_ms or '+inf', key)
 if exp == '' then
   exp = '-'
 end
-return table.concat({int(fence), seconds(now), exp, epoch}, ' ') .. ended
+return fence .. ' ' .. acq .. ' ' .. exp .. ' ' .. epoch .. ended
 """,
+    simple=True,
 )
 
 RELEASE = _script(
@@ -296,15 +341,15 @@ RELEASE = _script(
 local key, token = ARGV[4], ARGV[5]
 local RECENT = 500  -- records a retry reads back
 -- While the lock key exists it holds the state's token: only these scripts write either.
-local s = redis.call('HMGET', KEYS[2], 'tok', 'fence', 'holder', 'acq', 'exp', 'wt', 'rtok',
-                     'rel', 'rexp')
+local s = redis.call('HMGET', KEYS[2], unpack(STATE))
 if s[1] ~= token then
-  if ARGV[10] == '1' and s[7] == token then
-    if s[9] == '' then
-      s[9] = '-'
+  local last = ARGV[10] == '1' and redis.call('HMGET', KEYS[2], 'rtok', 'rel', 'rexp')
+  if last and last[1] == token then
+    if last[3] == '' then
+      last[3] = '-'
     end
-    return s[8] .. ' ' .. s[9]
-  elseif ARGV[10] == '1' then
+    return last[2] .. ' ' .. last[3]
+  elseif last then
     -- The key changed hands since the first try: its record, if it landed, is in history.
     for _, entry in ipairs(redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', RECENT)) do
       local f = entry[2]
@@ -329,12 +374,13 @@ if f[12] == '' then
 end
 return f[14] .. ' ' .. f[12]
 """,
+    simple=True,
 )
 
 RENEW = _script(
     "renew",
     """
--- renew: ARGV +4 key, token, ttl ms or '' | 'exp' renewed ('-': none); 0 not ours
+-- renew: ARGV +4 key, token, ttl ms or '', '1': a hand_over (never shorter) | 'exp' or 0
 local key, token, ttl = ARGV[4], ARGV[5], ARGV[6]
 if redis.call('GET', KEYS[1]) ~= token then
   -- Never revive a lock Redis expired (nor send PEXPIRE 0, which deletes): record it.
@@ -342,6 +388,9 @@ if redis.call('GET', KEYS[1]) ~= token then
     end_lease(key, 'expired', '"expired"', 'null', 'null', now_us(), true, nil, nil, nil, nil)
   end
   return 0
+end
+if ARGV[7] == '1' and redis.call('PTTL', KEYS[1]) > tonumber(ttl) then
+  return redis.call('HGET', KEYS[2], 'exp')
 end
 local exp = ''
 local exp_ms = nil
@@ -361,6 +410,7 @@ if exp == '' then
 end
 return exp
 """,
+    simple=True,
 )
 
 EXPIRE = _script(

@@ -1,0 +1,57 @@
+"""The first renewals' heap stays bounded by the leases held, not by the leases granted
+within a ttl / 3: a Renewer stopped before its first renewal (most task runs) used to stay
+in it until its turn (20 s with the default 60 s ttl; at 1,000 short tasks/s about 20,000
+entries)."""
+
+from __future__ import annotations
+
+import threading
+
+from celery_dlock import Lock, lock
+from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.renewal import _first_renewals
+from tests.support import eventually
+
+
+def heap_size() -> int:
+    """Entries in the first renewals' heap, live and stopped."""
+    return len(_first_renewals._due)
+
+
+def test_leases_released_before_their_first_renewal_leave_the_heap_bounded() -> None:
+    backend = MemoryBackend()
+    before = heap_size()
+    for n in range(2000):
+        with lock(f"job:short:{n}", backend, ttl=600):
+            pass
+    assert heap_size() <= 2 * before + 1
+
+
+def test_the_heap_holds_the_leases_held_and_at_most_as_many_stopped() -> None:
+    backend = MemoryBackend()
+    before = heap_size()
+    held = [Lock(backend, f"job:held:{n}", ttl=600) for n in range(100)]
+    for one in held:
+        one.acquire()
+    for n in range(1000):
+        with lock(f"job:short:{n}", backend, ttl=600):
+            pass
+    assert 100 <= heap_size() <= 2 * (before + 100) + 1
+    for one in held:
+        one.release()
+    assert heap_size() <= 2 * before + 1
+
+
+def test_a_lease_held_past_its_first_renewal_is_still_renewed_after_compactions() -> None:
+    """Compaction keeps the live entries: a lease held among many short ones is renewed."""
+    backend = MemoryBackend()
+    with lock("job:long", backend, ttl=0.6) as lease:
+        for n in range(500):
+            with lock(f"job:short:{n}", backend, ttl=600):
+                pass
+        renewed = eventually(
+            lambda: (current := backend.get("job:long")) and current.expires_at > lease.expires_at,
+            "the lease renewed",
+        )
+        names = [t.name for t in threading.enumerate() if t.name.startswith("dlock-renew:")]
+        assert renewed and names == ["dlock-renew:job:long"]
