@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from celery_dlock import metrics
 from tests.celery.prefork import Worker, running
 from tests.support import eventually
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry  # noqa: E402
-from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 def scrape(directory: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """What a scrape of the worker's processes shows: (sample name, labels) -> value."""
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(directory))
+    metrics.collector(registry, path=str(directory))
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in registry.collect()
