@@ -71,11 +71,15 @@ class _Held:
         with self._mutex:
             return self._leases.pop(token, None)
 
-    def drain(self) -> list[tuple[LockBackend, Lease, bool]]:
+    def drain(self, backend: LockBackend | None = None) -> list[tuple[LockBackend, Lease, bool]]:
+        """Remove and return every entry, or only those held on ``backend``."""
         with self._mutex:
-            items = list(self._leases.values())
-            self._leases.clear()
-            return items
+            if backend is None:
+                items = list(self._leases.values())
+                self._leases.clear()
+                return items
+            mine = [token for token, entry in self._leases.items() if entry[0] is backend]
+            return [self._leases.pop(token) for token in mine]
 
 
 _held_here: ProcessLocal[_Held] = ProcessLocal(_Held)
@@ -92,23 +96,25 @@ def release_all(
     details: str | None = "released by celery_dlock.release_all()",
     *,
     kept: Outcome | None = None,
+    backend: LockBackend | None = None,
 ) -> list[Record]:
-    """Release every lease this process holds, each by its own token, recorded as
-    ``outcome`` (a lease kept alive for a later acquisition as ``kept``, by default the
-    same). Failures are logged, not raised: this runs as the process stops. The Lock
-    objects that held them find their leases gone (their release records ``lost``).
+    """Release every lease this process holds (only those on ``backend``, when given),
+    each by its own token, recorded as ``outcome`` (a lease kept alive for a later
+    acquisition as ``kept``, by default the same). Failures are logged, not raised: this
+    runs as the process stops. The Lock objects that held them find their leases gone
+    (their release records ``lost``).
 
     Returns:
         the records written.
     """
     records = []
-    for backend, lease, was_kept in held().drain():
+    for store, lease, was_kept in held().drain(backend):
         ending = (kept or outcome) if was_kept else outcome
         note = f"{details or ''} (kept for a later acquisition)".strip() if was_kept else details
         try:
-            record = backend.release(lease, ending, problem, note)
+            record = store.release(lease, ending, problem, note)
         except DLockError as exc:
-            extra = fields("release_failed", lease, outcome=ending, backend=backend.url)
+            extra = fields("release_failed", lease, outcome=ending, backend=store.url)
             logger.error("cannot release %s: %s", lease.key, exc, extra=extra)
             continue
         if record is not None:

@@ -325,6 +325,21 @@ def test_release_all_releases_what_this_process_holds(backend: MemoryBackend) ->
     assert first.release() is None  # its lease is gone: recorded lost, not an error
 
 
+def test_release_all_of_one_backend_leaves_the_others_held(
+    backend: MemoryBackend, tmp_path: Path
+) -> None:
+    other = FileBackend(str(tmp_path / "other"))
+    mine, theirs = Lock(backend, "job:one:1"), Lock(other, "job:one:2")
+    mine.acquire()
+    held_there = theirs.acquire()
+    records = celery_dlock.release_all(backend=backend)
+    assert [r.key for r in records] == ["job:one:1"] and backend.get("job:one:1") is None
+    current = other.get("job:one:2")
+    assert current is not None and current.token == held_there.token
+    assert [r.key for r in celery_dlock.release_all()] == ["job:one:2"]
+    assert other.get("job:one:2") is None
+
+
 def test_a_process_that_ends_normally_releases_what_it_holds(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'locks'}"
     code = (
