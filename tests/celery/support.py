@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from celery import Celery, _state
+from celery.contrib.testing.worker import TestWorkController
+from celery.utils.nodenames import anon_nodename
+from celery.worker import WorkController
 
 from celery_dlock import (
     Outcome,
@@ -16,3 +24,51 @@ def new_run() -> str:
 
 def outcomes(store: MemoryBackend, key: str) -> list[Outcome]:
     return [record.outcome for record in reversed(store.history(key=key))]
+
+
+@contextmanager
+def embedded_worker(
+    app: Celery, pool: str = "solo", concurrency: int = 1, shutdown_timeout: float = 10.0
+) -> Iterator[WorkController]:
+    """A worker of ``app`` in a thread of this process, for one test, stopped by its own
+    ``stop`` path. Celery's ``start_worker`` stops its worker by setting the process-wide
+    ``state.should_terminate``, which ends every worker of the process: the session's
+    embedded worker of the other tests too. The ``worker_shutdown`` signal is not sent (the
+    process does not end: what it holds for other tests stays held).
+
+    While it runs, ``app`` is the process's default app (the worker's timer thread, which
+    re-sends a countdown, and the solo pool find tasks through it); the previous default
+    comes back when it stops."""
+    app.finalize()
+    previous = _state.default_app
+    app.set_default()
+    worker = TestWorkController(
+        app=app,
+        concurrency=concurrency,
+        hostname=anon_nodename(),
+        pool=pool,
+        loglevel="WARNING",
+        logfile=None,
+        ready_callback=None,
+        without_heartbeat=True,
+        without_mingle=True,
+        without_gossip=True,
+    )
+
+    def run() -> None:
+        app.set_current()  # in this thread only
+        worker.start()
+
+    thread = threading.Thread(target=run, daemon=True, name="embedded-worker")
+    thread.start()
+    worker.ensure_started()
+    _state._set_task_join_will_block(False)  # the worker's start set it: the tests wait
+    try:
+        yield worker
+    finally:
+        worker.signal_consumer_close()
+        worker._shutdown(warm=True)
+        thread.join(shutdown_timeout)
+        _state.set_default_app(previous)
+        if thread.is_alive():
+            raise RuntimeError(f"the embedded worker did not stop in {shutdown_timeout} s")

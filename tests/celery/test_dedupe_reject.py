@@ -15,25 +15,18 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.exceptions import Reject
 
 from celery_dlock import Lock, LockedTask, Outcome
 from celery_dlock.celery.dedupe import DEDUPE_HEADER, mark_key
 from celery_dlock.celery.settings import backend_for
+from tests.celery.support import embedded_worker
 from tests.celery.test_dedupe_retry_race import app
 from tests.support import eventually
 
 __all__ = ["app"]  # the fixture: an app on the lock store, for an embedded worker
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skip(
-        reason="celery.contrib.testing.worker.start_worker ends every worker of the process as "
-        "it stops (state.should_terminate), the session's embedded worker of other tests too; "
-        "to run in a worker of its own (the fixes were shown failing before, see CHANGELOG)"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 #: (requeue, acks_late): only a message not acknowledged yet is put back on the queue.
@@ -64,7 +57,7 @@ def test_a_message_rejected_back_to_the_queue_keeps_its_mark(app: Celery, reject
 
     who = uuid.uuid4().hex[:10]
     key = mark_key(f"job:sync:{who}", sync.name)
-    with start_worker(app, pool="solo", perform_ping_check=False):
+    with embedded_worker(app, pool="solo"):
         sent = sync.delay(who)
         if back:
             eventually(lambda: len(seen) == 2 or None, "the message ran again")
@@ -106,7 +99,7 @@ def test_an_until_started_message_rejected_back_before_its_body_keeps_its_mark(
     key = mark_key(f"job:sync:{who}", sync.name)
     with (
         Lock(backend_for(app), f"job:sync:{who}"),
-        start_worker(app, pool="solo", perform_ping_check=False),
+        embedded_worker(app, pool="solo"),
     ):
         sent = sync.delay(who)
         eventually(lambda: len(seen) == 2 or None, "the message came back")

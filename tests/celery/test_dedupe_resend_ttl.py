@@ -17,24 +17,17 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.signals import task_retry
 
 from celery_dlock import Lock, LockedTask
 from celery_dlock.celery.dedupe import EXPIRY_GRACE, mark_key
 from celery_dlock.celery.settings import backend_for
+from tests.celery.support import embedded_worker
 from tests.celery.test_dedupe_retry_race import WAIT, app
 
 __all__ = ["app"]  # the fixture: an app on the lock store, for an embedded worker
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skip(
-        reason="celery.contrib.testing.worker.start_worker ends every worker of the process as "
-        "it stops (state.should_terminate), the session's embedded worker of other tests too; "
-        "to run in a worker of its own (the fixes were shown failing before, see CHANGELOG)"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 #: The task's own dedupe_ttl: far shorter than the countdowns of its re-sends.
 SHORT = 5.0
@@ -52,7 +45,7 @@ def _mark_after_the_re_send(app: Celery, task: Any, who: str, **options: Any) ->
 
     task_retry.connect(a_ended, weak=False)
     try:
-        with start_worker(app, pool="solo", perform_ping_check=False):
+        with embedded_worker(app, pool="solo"):
             sent = task.apply_async((who,), **options)
             assert retried.wait(WAIT), "the task was not re-sent"
     finally:

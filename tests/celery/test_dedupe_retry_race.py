@@ -23,22 +23,15 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 from celery.signals import after_task_publish, task_retry
 
 from celery_dlock import LockedTask, Outcome
 from celery_dlock.celery.dedupe import EXPIRY_GRACE, mark_key
 from celery_dlock.celery.settings import backend_for, forget_settings
-from celery_dlock.process import held
+from celery_dlock.process import release_all
+from tests.celery.support import embedded_worker
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skip(
-        reason="celery.contrib.testing.worker.start_worker ends every worker of the process as "
-        "it stops (state.should_terminate), the session's embedded worker of other tests too; "
-        "to run in a worker of its own (the fixes were shown failing before, see CHANGELOG)"
-    ),
-]
+pytestmark = pytest.mark.slow
 
 DEDUPE_TTL = 3600.0
 EXPIRES = 30.0
@@ -68,12 +61,7 @@ def app(lock_url: str) -> Iterator[Celery]:
     )
     yield app
     backend = backend_for(app)
-    for token in held().tokens():
-        entry = held().take(token)
-        if entry is not None and entry[0] is not backend:
-            held().add(*entry)  # another backend's: not this test's
-        elif entry is not None:
-            backend.release(entry[1], Outcome.ABANDONED, None, "left by a dedupe test")
+    release_all(Outcome.ABANDONED, None, "left by a dedupe test", backend=backend)
     if lock_url.startswith("postgres"):
         backend.close()
     forget_settings(app)
@@ -131,7 +119,7 @@ def _run(app: Celery, race: Race) -> tuple[str, str]:
     after_task_publish.connect(a_sent_the_retry, weak=False)
     task_retry.connect(a_ended, weak=False)
     try:
-        with start_worker(app, pool="threads", concurrency=2, perform_ping_check=False):
+        with embedded_worker(app, pool="threads", concurrency=2):
             sent = report.apply_async((who,), expires=EXPIRES)
             assert race.a_done.wait(WAIT), "A did not retry"
             if race.where:

@@ -13,20 +13,13 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from celery.contrib.testing.worker import start_worker
 
 from celery_dlock import LockedTask, Outcome, backend_from_url, install
+from tests.celery.support import embedded_worker
 from tests.support import eventually, unavailable
 
 BASE = "postgresql://postgres@127.0.0.1:5432/test"
 RUNS: list[str] = []
-
-
-pytestmark = pytest.mark.skip(
-    reason="celery.contrib.testing.worker.start_worker ends every worker of the process as "
-    "it stops (state.should_terminate), the session's embedded worker of other tests too; "
-    "to run in a worker of its own (the fixes were shown failing before, see CHANGELOG)"
-)
 
 
 @pytest.fixture
@@ -74,7 +67,7 @@ def charge(schema: str) -> Iterator[Any]:
         RUNS.append(order_id)
         return f"receipt-{order_id}"
 
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+    with embedded_worker(app, pool="solo", shutdown_timeout=10):
         yield task
 
 
