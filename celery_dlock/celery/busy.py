@@ -1,5 +1,5 @@
 """A busy key in a Celery task: the ``on_locked`` policy, and the re-queue with backoff
-that ``"retry"`` (and a failing store) uses."""
+that ``"retry"`` (and a failing store: ``store_failed``) uses."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from celery_dlock.errors import BackendError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.locks import Locks
-from celery_dlock.records import Lease, Outcome, Record, describe_exception
+from celery_dlock.records import Lease, Outcome
 
 __all__ = [
     "BUSY_HEADER",
@@ -23,7 +23,6 @@ __all__ = [
     "apply_policy",
     "current_lease",
     "header",
-    "kept_success",
     "requeue",
     "store_failed",
 ]
@@ -101,23 +100,6 @@ def store_failed(task: Any, exc: BackendError) -> NoReturn:
     attempt = int(header(task.request, BUSY_HEADER) or 0)
     requeue(task, exc, f"the lock store failed: {exc}", attempt, logging.ERROR)
     raise exc  # not reached: requeue raises Retry, or exc where there is no queue
-
-
-def kept_success(task: Any, lock: Lock) -> Record | None:
-    """The success a ``once`` task replays on ``lock``'s key, or None. When the store fails
-    to say, the body has not run: the lease is released as ``retried`` and the request
-    re-queued as for any store failure (:func:`store_failed`), never failed nor run."""
-    try:
-        return lock.last_success(task.name)
-    except BackendError as exc:
-        failure = exc
-    try:
-        lock.release(Outcome.RETRIED, *describe_exception(failure))
-    except BackendError:
-        logger.exception(  # a failed release is tried again at this process's next one
-            "could not release %s", lock.key, extra=fields("release_failed", key=lock.key)
-        )
-    store_failed(task, failure)
 
 
 def header(request: Any, name: str) -> Any:

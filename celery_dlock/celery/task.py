@@ -39,10 +39,10 @@ from celery.exceptions import Reject, Retry
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import busy, dedupe, signals
+from celery_dlock.celery import busy, dedupe, once, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import check_base, check_options
-from celery_dlock.celery.outcomes import outcome_of, replayed, stored_result
+from celery_dlock.celery.outcomes import outcome_of, stored_result
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
 from celery_dlock.errors import (
@@ -57,7 +57,7 @@ from celery_dlock.events import fields
 from celery_dlock.keys import KeyTemplate
 from celery_dlock.lock import DEFAULT, Lock
 from celery_dlock.locks import Locks, lost_lease
-from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
+from celery_dlock.records import Holder, Lease, Outcome, describe_exception
 
 __all__ = ["LockedTask"]
 
@@ -341,9 +341,9 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             on_held()
 
     def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        previous = busy.kept_success(self, lock) if self.once else None
+        previous = once.kept_success(self, lock) if self.once else None
         if previous is not None:
-            return self._replay(lock, previous)
+            return once.replay(lock, previous)
         try:
             result = self.run(*args, **kwargs)
         except Retry as exc:
@@ -351,12 +351,14 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             raise
         except AlreadySucceededError as exc:
             # record_success found another run's success in the body's own transaction,
-            # which rolled back: this run had no effect, and replays that one.
-            previous = lock.last_success(self.name) if self.once else None
-            if previous is None or exc.key != lock.key:
+            # which rolled back: this run had no effect, and replays that one (a store that
+            # fails to give it: re-queued, as before the body).
+            mine = self.once and exc.key == lock.key
+            previous = once.kept_success(self, lock) if mine else None
+            if previous is None:
                 self._finish(lock, Outcome.FAILED, exc)
                 raise
-            return self._replay(lock, previous)
+            return once.replay(lock, previous)
         except LockLostError as exc:
             held = lock.lease and lost_lease(lock)  # of a set: the key lost, not the first
             if exc.key or held is None:
@@ -375,15 +377,6 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         stored = stored_result(self.name, result) if self.once else None
         self._finish(lock, Outcome.SUCCEEDED, None, stored)
         return result
-
-    def _replay(self, lock: Lock, previous: Record) -> Any:
-        """End this run as ``skipped`` and return the kept result of ``previous``."""
-        details = (
-            f"once: already succeeded (fence {previous.fence}, task "
-            f"{previous.lease.holder.task_id}); returning its stored result"
-        )
-        lock.release(Outcome.SKIPPED, "once", details)
-        return replayed(previous.result)
 
     def _finish(
         self,

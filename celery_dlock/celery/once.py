@@ -1,0 +1,65 @@
+"""``once`` in a Celery task: the success kept on the task's key, looked up before the body
+runs and again when the body's own transaction was refused (``record_success``), and its
+replay to a duplicate.
+
+The lock store failing to say whether a success is kept is a store failure before any
+effect: the lease is released as ``retried`` and the request re-queued (``busy.store_failed``),
+never failed nor run. Once the kept success is known, the duplicate returns it whatever
+becomes of its own lease's release: a release the store refuses waits for this process's
+next release that reaches the store (``releasing.unsettled``), else the janitor records the
+lease when it expires or its holder is gone."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery_dlock.celery.busy import store_failed
+from celery_dlock.celery.outcomes import replayed
+from celery_dlock.errors import BackendError
+from celery_dlock.events import fields
+from celery_dlock.lock import Lock
+from celery_dlock.records import Outcome, Record, describe_exception
+
+__all__ = ["kept_success", "replay"]
+
+logger = logging.getLogger("celery_dlock.task")
+
+
+def kept_success(task: Any, lock: Lock) -> Record | None:
+    """The success a ``once`` task replays on ``lock``'s key, or None. When the store fails
+    to say, the lease is released as ``retried`` and the request re-queued as for any store
+    failure (:func:`~celery_dlock.celery.busy.store_failed`), never failed nor run."""
+    try:
+        return lock.last_success(task.name)
+    except BackendError as exc:
+        failure = exc
+    try:
+        lock.release(Outcome.RETRIED, *describe_exception(failure))
+    except BackendError:
+        logger.exception(  # a failed release is tried again at this process's next one
+            "could not release %s", lock.key, extra=fields("release_failed", key=lock.key)
+        )
+    return store_failed(task, failure)  # raises Retry (re-queued), or failure (no queue)
+
+
+def replay(lock: Lock, previous: Record) -> Any:
+    """End this run as ``skipped`` and return the kept result of ``previous``, even when the
+    store refuses the release: the effect is known to be done, and failing the duplicate
+    would tell its caller otherwise."""
+    lease = lock.lease
+    details = (
+        f"once: already succeeded (fence {previous.fence}, task "
+        f"{previous.lease.holder.task_id}); returning its stored result"
+    )
+    try:
+        lock.release(Outcome.SKIPPED, "once", details)
+    except BackendError:
+        logger.exception(
+            "could not release %s after replaying the success of fence %d; tried again at "
+            "this worker's next release (else the janitor records it)",
+            lock.key,
+            previous.fence,
+            extra=fields("release_failed", lease, outcome=Outcome.SKIPPED),
+        )
+    return replayed(previous.result)
