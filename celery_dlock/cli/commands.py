@@ -88,8 +88,9 @@ def leases(env: Env, prefix: str | None, all_keys: bool, as_json: bool) -> None:
 
     Shows the leases whose key starts with PREFIX (default: the namespace, 'job:'): key,
     holder, age, fence, expires (in N s / never / EXPIRED). A holder marked [gone] is a
-    process of this host that no longer exists: `reap` clears its lease (where leases live
-    by their ttl, as on Redis, once it expires). [queued message]
+    process of this host that no longer exists, or (PostgreSQL, any host) one whose lock
+    session ended, marked [gone] (lock session ended): `reap` clears its lease (where leases
+    live by their ttl, as on Redis, once it expires). [queued message]
     marks a dedupe mark, held for its message until its ttl whatever became of its producer.
     """
     if prefix is not None and all_keys:

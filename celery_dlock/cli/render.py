@@ -25,6 +25,7 @@ __all__ = [
     "display_width",
     "expires_text",
     "for_queued_message",
+    "gone_because",
     "holder_gone",
     "holder_text",
     "human_duration",
@@ -231,19 +232,41 @@ def for_queued_message(lease: Lease) -> bool:
 
 
 def holder_gone(lease: Lease) -> bool:
-    """True when ``lease`` is held for its holder's process and that process provably no
-    longer exists (``Holder.is_gone``); never for a mark held for a queued message."""
+    """True when ``lease`` is held for its holder's process and that holder provably no
+    longer exists (``Holder.is_gone``: a process of this host that ended, or a holder the
+    store found gone, such as a Postgres one whose lock session ended); never for a mark
+    held for a queued message."""
     return not for_queued_message(lease) and lease.holder.is_gone()
+
+
+def _found_by_store(lease: Lease) -> str | None:
+    """Why the store found ``lease``'s holder gone, where it judges holders itself: its own
+    Holder subclass says so (``postgres.rows.SessionEndedHolder``: ``lock session ended``)."""
+    because = getattr(lease.holder, "gone_because", None)
+    return because if isinstance(because, str) else None
+
+
+def gone_because(lease: Lease) -> str | None:
+    """Why ``lease``'s holder is gone (:func:`holder_gone`), or None while it may live: what
+    the store found (Postgres: ``lock session ended``, for a holder of any host), else
+    ``process ended`` (a process of this host)."""
+    if not holder_gone(lease):
+        return None
+    return _found_by_store(lease) or "process ended"
 
 
 def holder_text(lease: Lease) -> str:
     """The holder's description, marked ``[gone]`` when it is provably dead (a process of
-    this host that no longer exists), or ``[queued message]`` for a dedupe mark, which lives
-    by its ttl for its message whatever became of the producer named."""
+    this host that no longer exists; ``[gone] (lock session ended)`` where the store found
+    its session ended), or ``[queued message]`` for a dedupe mark, which lives by its ttl
+    for its message whatever became of the producer named."""
     text = lease.holder.describe()
     if for_queued_message(lease):
         return f"{text} [queued message]"
-    return f"{text} [gone]" if holder_gone(lease) else text
+    if not holder_gone(lease):
+        return text
+    because = _found_by_store(lease)
+    return f"{text} [gone]" if because is None else f"{text} [gone] ({because})"
 
 
 #: Characters of a lease's metadata shown in a table cell (``--json`` has all of it).
@@ -268,14 +291,17 @@ def _clip(text: str) -> str:
 
 
 def lease_json(lease: Lease, now: float) -> dict[str, Any]:
-    """``Lease.to_dict()`` plus ``holder_text``, ``holder_gone``, ``queued_message`` (a
-    dedupe mark, alive by its ttl for its message: never ``holder_gone``), ``acquired``,
-    ``age``, ``expires_in`` (seconds, None for no expiry), ``expired`` and ``metadata``."""
+    """``Lease.to_dict()`` plus ``holder_text``, ``holder_gone``, ``holder_gone_because``
+    (:func:`gone_because`), ``queued_message`` (a dedupe mark, alive by its ttl for its
+    message: never ``holder_gone``), ``acquired``, ``age``, ``expires_in`` (seconds, None
+    for no expiry), ``expired`` and ``metadata``."""
     data = lease.to_dict()
+    because = gone_because(lease)
     data.update(
         metadata=lease.metadata,
         holder_text=lease.holder.describe(),
-        holder_gone=holder_gone(lease),
+        holder_gone=because is not None,
+        holder_gone_because=because,
         queued_message=for_queued_message(lease),
         acquired=iso_time(lease.acquired_at),
         age=max(now - lease.acquired_at, 0.0),

@@ -32,8 +32,10 @@ Guarantees
     session: one dedicated, unpooled connection per process. A lease is dead once no session
     holds that lock (``pg_locks``): its process died, its connection broke, or the server
     ended the session. ``try_acquire`` then takes the key over and records
-    ``disconnected``; an optional ``ttl`` (judged by the server's clock) also frees a hung
-    but connected holder (``expired``). Server-side TCP keepalives and ``tcp_user_timeout``
+    ``disconnected``; until then ``get`` and ``leases`` give its holder as gone
+    (``is_gone()``, whatever its host; one read of ``pg_locks`` per call). An optional
+    ``ttl`` (judged by the server's clock) also frees a hung but connected holder
+    (``expired``). Server-side TCP keepalives and ``tcp_user_timeout``
     notice a vanished host in about 30 s. A transaction-mode pooler (the backend pid
     changes between transactions) is refused.
     fences: from one sequence (``CACHE 1``); grants of a key are serialised, so fences

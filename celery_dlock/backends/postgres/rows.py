@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, ClassVar
 
 from psycopg.types.numeric import Int8
 
@@ -12,21 +13,47 @@ from celery_dlock.backends.common import taken_over
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, truncate_utf8
 
-__all__ = ["lease", "record", "record_params", "result_json", "text", "timestamp", "took_over"]
+__all__ = [
+    "SessionEndedHolder",
+    "lease",
+    "record",
+    "record_params",
+    "result_json",
+    "text",
+    "timestamp",
+    "took_over",
+]
 
 #: Bytes of UTF-8 kept of a record's ``problem`` (an exception's type name, normally).
 PROBLEM_LIMIT = 1024
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 
 
+@dataclass(frozen=True, slots=True)
+class SessionEndedHolder(Holder):
+    """The holder of a lease whose lock session has ended (no session holds the lease's
+    advisory lock, :meth:`LeaseKeys.ended`): gone, whatever became of its process (killed,
+    cut off, alive on another host), as the next ``try_acquire`` or ``reap`` will find.
+    Only ``get`` and ``leases`` give one; equal to no plain :class:`Holder`."""
+
+    #: Why it is gone, for the listings (``celery dlock leases``, the page).
+    gone_because: ClassVar[str] = "lock session ended"
+
+    def is_gone(self) -> bool:
+        return True
+
+
 def lease(row: Any) -> Lease:
-    """A lease from ``key, token, fence, holder, acquired_at, expires_at``."""
-    return Lease(row[0], row[1], int(row[2]), Holder.from_dict(row[3]), row[4], row[5])
+    """A lease from ``key, token, fence, holder, acquired_at, expires_at`` and, as ``get``
+    and ``leases`` read it, whether its lock session ended (then its holder is a
+    :class:`SessionEndedHolder`)."""
+    kind = SessionEndedHolder if len(row) > 6 and row[6] else Holder
+    return Lease(row[0], row[1], int(row[2]), kind.from_dict(row[3]), row[4], row[5])
 
 
 def record(row: Any) -> Record:
     """A record from a lease's columns and ``released_at, outcome, problem, details, result``."""
-    return Record(lease(row), row[6], Outcome(row[7]), row[8], row[9], row[10])
+    return Record(lease(row[:6]), row[6], Outcome(row[7]), row[8], row[9], row[10])
 
 
 def took_over(row: Any, held: dict[int, str]) -> Any:

@@ -5,15 +5,8 @@ client, since it is several statements in one message). The hot ones, ``acquire`
 ``release``, are single plain DML statements: a busy key costs a second statement
 (``take_over``), an uncontended pair costs two.
 
-Liveness: a lease's holder holds an advisory lock on its lock session whose bigint key is
-the schema's lease space (32 bits from its name) over the low 32 bits of the fence: several
-schemas can share a database (advisory keys are per database, fences per schema). In
-``pg_locks`` it shows as locktype ``advisory``, mode ``ExclusiveLock``, ``objsubid`` 1 (the
-single-bigint form), ``classid`` the space and ``objid`` the fence's low half, both unsigned
-``oid``. Two live leases of one schema meet only if 2**32 fences were drawn while the first
-was held; then the second acquire is refused (its lock is taken), never granted twice.
-Waiters take the same key in share mode and the per-key locks use the two-int form
-(``objsubid`` 2), so neither is ever mistaken for a holder.
+Liveness, the advisory lock that ties a lease to its lock session: see
+:mod:`celery_dlock.backends.postgres.advisory`.
 """
 
 from __future__ import annotations
@@ -23,42 +16,10 @@ from typing import Any
 
 from psycopg.types.numeric import Int8
 
+from celery_dlock.backends.postgres.advisory import HANDED_OVER, LeaseKeys
 from celery_dlock.backends.postgres.sql import FENCE_GAP, Names
 
-__all__ = ["Statements"]
-
-
-class _Keys:
-    """The advisory keys of a schema's leases, as SQL."""
-
-    def __init__(self, names: Names) -> None:
-        space = names.key_space("lease")
-        self.space_oid = space & 0xFFFFFFFF
-        self._high = space << 32
-
-    def of(self, fence: str) -> str:
-        """The bigint advisory key of the lease with fence ``fence``."""
-        return f"({self._high}::int8 | ({fence} & 4294967295))"
-
-    def held(self, where: str = "", select: str = "") -> str:
-        """``pg_locks`` rows of lease keys that a session holds (extra conditions ``where``;
-        columns ``select``)."""
-        return (
-            f"SELECT {select}FROM pg_catalog.pg_locks AS p WHERE p.locktype = 'advisory' "
-            f"AND p.objsubid = 1 AND p.granted AND p.mode = 'ExclusiveLock' "
-            f"AND p.classid = {self.space_oid}::oid{where} "
-            "AND p.database = (SELECT oid FROM pg_catalog.pg_database "
-            "WHERE datname = current_database())"
-        )
-
-    def live(self, fence: str) -> str:
-        """SQL that is true while some session holds the advisory lock of lease ``fence``."""
-        return f"EXISTS ({self.held(f' AND p.objid = ({fence} & 4294967295)::oid')})"
-
-
-#: ``backend_pid`` of a lease handed over (``hand_over``): alive by its ttl alone, no
-#: session stands for it (no server process has pid 0).
-HANDED_OVER = 0
+__all__ = ["HANDED_OVER", "Statements"]
 
 
 def _epoch(column: str) -> str:
@@ -101,7 +62,7 @@ class Statements:
         False (``liveness=ttl``): by their ttl alone, each row's backend pid is
         ``HANDED_OVER``, and no statement leaves state on the session."""
         self.names = n = names
-        self.keys = keys = _Keys(n)
+        self.keys = keys = LeaseKeys(n)
         pid = "pg_backend_pid()" if session else str(HANDED_OVER)
         # Grants of one key are serialised by a transaction advisory lock on the key, taken
         # before nextval(): INSERT ... ON CONFLICT computes its values before it waits on a
@@ -328,14 +289,17 @@ class Statements:
         )
 
     def _reading(self, n: Names) -> None:
+        # Each lease with whether its holder's lock session ended (its holder is gone
+        # before take_over or reap finds it): one read of pg_locks for all of them.
+        listed = f"SELECT {_lease('l')}, {self.keys.ended('l')} FROM {n.locks} AS l"
         self.get = (
-            "-- get: key | the lease on key, if any\n"
-            f"SELECT {_lease('l')} FROM {n.locks} AS l WHERE l.key = %(key)s"
+            "-- get: key | the lease on key, if any, and whether its lock session ended\n"
+            f"{listed} WHERE l.key = %(key)s"
         )
         self.leases = (
-            "-- leases: prefix | leases whose key starts with prefix, by key\n"
-            f"SELECT {_lease('l')} FROM {n.locks} AS l WHERE starts_with(l.key, %(prefix)s) "
-            "ORDER BY l.key"
+            "-- leases: prefix | leases whose key starts with prefix, by key, and whether "
+            "the lock session of each ended\n"
+            f"{listed} WHERE starts_with(l.key, %(prefix)s) ORDER BY l.key"
         )
         self._history = f"SELECT {_record('h')} FROM {n.history} AS h"
         self.settings = (
