@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
-from celery_dlock.records import Outcome
+from celery_dlock.records import Outcome, Record
 
 __all__ = ["JANITOR_TASK", "janitor_key", "reap"]
 
@@ -37,9 +38,11 @@ def reap(
     retention: float | None = None,
     batch: int = 100,
     max_batches: int = 10,
+    cleared: Callable[[Record], object] | None = None,
 ) -> dict[str, int]:
     """Reap dead leases (at most ``batch × max_batches``) and prune history older than
-    ``retention`` seconds, under the janitor's own lock.
+    ``retention`` seconds, under the janitor's own lock; ``cleared`` is called with the
+    record of each lease cleared (each is logged too, as a warning).
 
     Returns:
         counts: ``reaped``, ``disconnected``, ``expired``, ``pruned``, and ``skipped`` (1
@@ -62,6 +65,8 @@ def reap(
                     counts["disconnected"] += 1
                 elif record.outcome is Outcome.EXPIRED:
                     counts["expired"] += 1
+                if cleared is not None:
+                    cleared(record)
                 logger.warning(
                     "janitor cleared %s (fence %d, %s): %s",
                     record.key,

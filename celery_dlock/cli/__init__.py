@@ -33,6 +33,7 @@ import click
 from celery_dlock.cli.commands import COMMANDS
 from celery_dlock.cli.doctor import doctor
 from celery_dlock.cli.env import Env, Target, UsageFailure
+from celery_dlock.cli.janitor import migrate, reap
 from celery_dlock.cli.run import run
 from celery_dlock.cli.serve import serve
 from celery_dlock.cli.timeline import timeline
@@ -132,6 +133,6 @@ def main(ctx: click.Context, /, backend_url: str | None, namespace: str) -> None
     ctx.obj = Env(resolve)
 
 
-for _command in (*COMMANDS, doctor, run, timeline, serve):
+for _command in (*COMMANDS, reap, migrate, doctor, run, timeline, serve):
     dlock.add_command(_command)
     main.add_command(_command)

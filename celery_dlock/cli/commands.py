@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import functools
 import getpass
-import math
 import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import click
 
 from celery_dlock.backends.base import LockBackend, server_time
-from celery_dlock.cli.env import Env, UsageFailure, guarded, guarded_creating
+from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import (
-    DURATION,
     MOST,
     PROBLEM_OUTCOMES,
     SINCE,
@@ -37,7 +35,6 @@ from celery_dlock.cli.render import (
     with_metadata,
 )
 from celery_dlock.keys import validate_key
-from celery_dlock.reap import reap as janitor_reap
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "store_now"]
@@ -404,70 +401,4 @@ def _finish(
     click.get_current_context().exit(0 if released else 1)
 
 
-# -- reap, migrate --------------------------------------------------------------------------
-
-
-@click.command()
-@click.option(
-    "--limit",
-    type=click.IntRange(min=1, max=MOST),
-    default=1000,
-    show_default=True,
-    help="Most leases to clear.",
-)
-@click.option(
-    "--retention",
-    type=DURATION,
-    help="Also delete history older than this (under Celery: dlock_history_retention).",
-)
-@JSON
-@guarded
-def reap(env: Env, limit: int, retention: float | None, as_json: bool) -> None:
-    """Run the janitor once.
-
-    Clears leases whose holder is gone or whose time ran out (recorded as disconnected or
-    expired) and, with a retention, prunes older history.
-    """
-    if retention is None:
-        retention = env.target.retention
-    batch = min(limit, 100)
-    counts = janitor_reap(
-        env.backend,
-        namespace=env.target.namespace,
-        retention=retention,
-        batch=batch,
-        max_batches=math.ceil(limit / batch),
-    )
-    if as_json:
-        env.emit_json({"backend": env.url, "retention": retention, **counts})
-    elif counts["skipped"]:
-        env.echo("another janitor is running now: nothing done")
-    else:
-        pruned = "not pruned" if retention is None else f"{counts['pruned']} records pruned"
-        env.echo(
-            f"leases reaped: {counts['reaped']} ({counts['disconnected']} disconnected, "
-            f"{counts['expired']} expired); history {pruned}"
-        )
-
-
-@click.command()
-@JSON
-@guarded_creating
-def migrate(env: Env, as_json: bool) -> None:
-    """Create the store's tables if missing.
-
-    Idempotent; stores without a schema (file, redis, object stores) need none.
-    """
-    backend = env.backend
-    run: Any = getattr(backend, "migrate", None)
-    done = None if run is None else run()
-    if as_json:
-        found = {"backend": env.url, "store": backend.name, "migrated": run is not None}
-        env.emit_json({**found, "done": done})
-    elif run is None:
-        env.echo(f"the {backend.name} backend needs no migration")
-    else:
-        env.echo(f"the {backend.name} schema in {env.url}: {done or 'up to date'}")
-
-
-COMMANDS = (leases, history, release, reap, migrate)
+COMMANDS = (leases, history, release)
