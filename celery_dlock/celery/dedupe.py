@@ -35,8 +35,9 @@ released ``revoked`` and the body does not run (the task ends ``REVOKED``), or t
 and the mark is left alone. An expired message releases it when a worker discards it
 (``expired``), and the mark of a message with ``expires`` ends with that expiry while it is
 queued (RabbitMQ drops an expired message itself: no worker sees it); a child that died
-mid-task releases it from the parent (``disconnected``); a send that fails releases it
-before ``apply_async`` raises (``failed``). ``send_task`` by name does not pass through the
+mid-task releases it from the parent (``disconnected``), by the token of the header its
+message carried (:mod:`celery_dlock.celery.signals`); a send that fails releases it before
+``apply_async`` raises (``failed``). ``send_task`` by name does not pass through the
 task class, so it is not guarded at enqueue; the body lock still guards the run.
 """
 
@@ -76,7 +77,6 @@ __all__ = [
     "ON_DUPLICATE",
     "body_leases",
     "end_mark",
-    "end_mark_of_attempt",
     "guards",
     "in_workflow",
     "mark_key",
@@ -455,26 +455,3 @@ def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
     current = settings(task.app)
     key = mark_key(task.lock_key_for(args, kwargs, current.namespace), task.name)
     return revoke_mark(task, Lock(current.backend, key), args, kwargs)
-
-
-def end_mark_of_attempt(
-    task: Any, task_id: str, *, args: Any, kwargs: Any, outcome: Outcome, details: str
-) -> Record | None:
-    """Release the mark of ``task_id`` found in the store (for the worker's parent, which
-    has no headers: a child that died, a message discarded): only a mark whose holder is
-    that task id, by that mark's token."""
-    if getattr(task, "dedupe", None) is None:
-        return None
-    try:
-        key = mark_key(task.lock_key_for(tuple(args or ()), dict(kwargs or {})), task.name)
-        lock = Lock(settings(task.app).backend, key)
-        mark = lock.current()
-    except BackendError as exc:
-        extra = fields("mark_lookup_failed", task_id=task_id)
-        logger.error(
-            "cannot look up the dedupe mark of %s[%s]: %s", task.name, task_id, exc, extra=extra
-        )
-        return None
-    if mark is None or mark.holder.task_id != task_id:
-        return None
-    return release_mark(lock, mark, outcome, None, details)

@@ -6,6 +6,15 @@ Facts of Celery 5.7 these rest on (measured):
   ``WorkerLostError`` (a hard time limit gives ``TimeLimitExceeded``, fired twice), with the
   task's args and kwargs. The parent renders the key, finds the lease whose holder has that
   task id and is provably gone, and releases it by that lease's token as ``disconnected``.
+- A dedupe mark is released from the parent only by the token its message carried in its
+  header (``task_revoked``'s ``request``; for a dead child, ``sender.request``, which Celery
+  5.7 sets to the message's request around ``task_failure``: ``Request.on_failure``, source).
+  Never by the task id alone: callers may reuse task ids, and the mark held under that id
+  may be a newer message's. A request without the header (the hard time limit's second
+  ``task_failure``, after the first one released it) releases nothing. Where Celery gives
+  the parent no request at all (before 5.7, celery/celery#9720) the mark held for the task
+  id is released, as before: a dead child's key is not blocked for ``dedupe_ttl``, and a
+  caller who reuses task ids there may see a newer message's mark go.
 - ``revoke(terminate=True)`` fires ``task_revoked`` in the parent right after it signals the
   child, which may still be dying: the release then waits (off the worker's main thread)
   until the holder is gone, a few seconds at most, before it gives up to the janitor.
@@ -25,10 +34,10 @@ from billiard.exceptions import WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
-from celery_dlock.celery import revoking
-from celery_dlock.celery.dedupe import body_leases, end_mark_of_attempt
+from celery_dlock.celery import dedupe, revoking
+from celery_dlock.celery.dedupe import body_leases, end_mark, mark_of
 from celery_dlock.celery.settings import enable_metrics, settings
-from celery_dlock.errors import DLockError
+from celery_dlock.errors import BackendError, DLockError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.process import release_all
@@ -80,10 +89,15 @@ def _task_failed(
 ) -> None:
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return
-    if task_id is not None:  # the child died: its message's dedupe mark goes too
-        details = f"{type(exception).__name__}: {exception}"
+    # The child died: its message's dedupe mark goes too. Celery 5.7 puts the message's
+    # request on the task's request stack while it sends this signal (Request.on_failure).
+    request = getattr(sender, "request", None)
+    details = f"{type(exception).__name__}: {exception}"
+    if task_id is not None and getattr(request, "id", None) is None:  # Celery before 5.7
         attempt = {"args": args, "kwargs": kwargs, "details": details}
-        end_mark_of_attempt(sender, task_id, outcome=Outcome.DISCONNECTED, **attempt)
+        _end_mark_of_task_id(sender, task_id, outcome=Outcome.DISCONNECTED, **attempt)
+    else:
+        _end_carried_mark(sender, request, task_id, Outcome.DISCONNECTED, details)
     _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
 
 
@@ -100,8 +114,7 @@ def _task_revoked(
     # A message revoked (or expired) before it ran, or a run terminated: its dedupe mark goes.
     outcome = Outcome.EXPIRED if expired else Outcome.REVOKED
     why = "expired before it ran" if expired else "revoked"
-    args, kwargs = request.args, request.kwargs
-    end_mark_of_attempt(sender, request.id, args=args, kwargs=kwargs, outcome=outcome, details=why)
+    _end_carried_mark(sender, request, request.id, outcome, why)
     if not terminated:  # a retry's message that will not run: the lease kept for it goes
         revoking.release_kept(sender, request, outcome, f"{why} (a retry)")
         return
@@ -109,6 +122,23 @@ def _task_revoked(
     _release_later(
         sender, request.id, request.args, request.kwargs, Outcome.REVOKED, RuntimeError(reason)
     )
+
+
+def _end_carried_mark(
+    task: Any, request: Any, task_id: str | None, outcome: Outcome, details: str
+) -> Record | None:
+    """Release the dedupe mark that ``request``'s message carried, by its header's token;
+    nothing when ``request`` is not ``task_id``'s or carries no mark (the mark of the same
+    task id found in the store may be a newer message's: it is left to its ttl)."""
+    if task_id is None or getattr(request, "id", None) != task_id:
+        if getattr(task, "dedupe", None) is not None:
+            logger.debug(
+                "no request of %s[%s] here: its dedupe mark, if any, is left to its ttl",
+                getattr(task, "name", task), task_id, extra=fields("mark_unknown", task_id=task_id),
+            )  # fmt: skip
+        return None
+    mark = mark_of(request)
+    return None if mark is None else end_mark(task, mark, outcome, details)
 
 
 def _release_later(  # noqa: PLR0917 - the signal's own fields, passed on
@@ -212,3 +242,26 @@ def _shutting_down(**_: Any) -> None:
     a task cut short), each by its own token."""
     release_all(Outcome.REVOKED, "WorkerShutdown", "worker shutdown", kept=Outcome.RETRIED)
     unsettled.settle_all()  # a prefork child ends with os._exit: no exit handlers
+
+
+def _end_mark_of_task_id(
+    task: Any, task_id: str, *, args: Any, kwargs: Any, outcome: Outcome, details: str
+) -> Record | None:
+    """Release the mark held for ``task_id``, found in the store by its key: the parent's
+    fallback where Celery gives it no request (before 5.7, a child that died). A task id
+    the caller reused may name a newer message's mark: with a request, use its header."""
+    if getattr(task, "dedupe", None) is None:
+        return None
+    try:
+        key = dedupe.mark_key(task.lock_key_for(tuple(args or ()), dict(kwargs or {})), task.name)
+        lock = Lock(settings(task.app).backend, key)
+        mark = lock.current()
+    except BackendError as exc:
+        extra = fields("mark_lookup_failed", task_id=task_id)
+        logger.error(
+            "cannot look up the dedupe mark of %s[%s]: %s", task.name, task_id, exc, extra=extra
+        )
+        return None
+    if mark is None or mark.holder.task_id != task_id:
+        return None
+    return dedupe.release_mark(lock, mark, outcome, None, details)
