@@ -11,6 +11,7 @@ redis-py still connects, authenticates, speaks TLS and reads every other reply.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 import weakref
@@ -36,8 +37,11 @@ from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.backends.redis.resp import bulks, call_simple
 from celery_dlock.backends.redis.scripts import Script
 from celery_dlock.errors import BackendError
+from celery_dlock.events import fields
 
 __all__ = ["AMBIGUOUS", "Client", "Connections", "Wire", "backoff", "doubt"]
+
+logger = logging.getLogger("celery_dlock.backends.redis")
 
 
 def _raw_readable() -> bool:
@@ -99,6 +103,8 @@ class Connections:
         self._all: weakref.WeakSet[Any] = weakref.WeakSet()
         #: (key, token) of acquires whose reply never came: released once Redis answers.
         self.doubtful: list[tuple[str, str]] = []
+        #: Whether the server's eviction policy was read (by the first connection made).
+        self._policy_read = False
 
     def _take(self) -> Any:
         """An idle connection (given back by the caller when done), or a new one."""
@@ -107,6 +113,13 @@ class Connections:
         except IndexError:
             connection = self._make()
             self._all.add(connection)
+            if not self._policy_read:
+                try:
+                    warn_if_evicting(connection)
+                except BaseException:
+                    connection.disconnect()
+                    raise
+                self._policy_read = True
             return connection
 
     def call(self, *args: Any, timeout: float | None = None) -> Any:
@@ -162,6 +175,36 @@ class Connections:
         for connection in list(self._all):
             connection.disconnect()
         self._idle.clear()
+
+
+def warn_if_evicting(connection: Any) -> None:
+    """Warn when the server behind ``connection`` may evict keys (a ``maxmemory`` and a
+    policy other than ``noeviction``): an evicted lock key is a lock given away, and
+    managed Redis often defaults to ``volatile-lru``, which evicts exactly the keys with a
+    ttl. Read once per process and server, from ``INFO`` (``CONFIG`` is often disabled);
+    a server that refuses ``INFO`` (an ACL) is left to ``celery dlock doctor``."""
+    connection.send_command("INFO", "memory")
+    try:
+        reply = connection.read_response()
+    except ResponseError:
+        return
+    text = reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
+    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    policy = info.get("maxmemory_policy", "noeviction").strip()
+    limit = info.get("maxmemory", "0").strip()
+    if policy != "noeviction" and limit.isdigit() and int(limit) > 0:
+        where = getattr(connection, "path", None) or (
+            f"{getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
+        )
+        logger.warning(
+            "Redis at %s may evict keys (maxmemory %s bytes, maxmemory-policy %s): an "
+            "evicted lock key is a lock given away while its holder runs. Set "
+            "maxmemory-policy noeviction (celery dlock doctor checks it)",
+            where,
+            limit,
+            policy,
+            extra=fields("redis_evicting"),
+        )
 
 
 class Client:
