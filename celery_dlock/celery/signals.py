@@ -64,6 +64,8 @@ def connect() -> None:
             return
         celery_signals.task_failure.connect(_task_failed, weak=False)
         celery_signals.task_revoked.connect(_task_revoked, weak=False)
+        celery_signals.task_unknown.connect(_message_dropped, weak=False)
+        celery_signals.task_rejected.connect(_message_dropped, weak=False)
         celery_signals.worker_process_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_init.connect(revoking.install, weak=False)
@@ -122,6 +124,31 @@ def _task_revoked(
     _release_later(
         sender, request.id, request.args, request.kwargs, Outcome.REVOKED, RuntimeError(reason)
     )
+
+
+def _message_dropped(
+    sender: Any = None,
+    message: Any = None,
+    exc: BaseException | None = None,
+    name: str | None = None,
+    **_: Any,
+) -> None:
+    """A message the worker dropped without running it (``task_unknown``: a task name this
+    worker does not know, as in a deploy that reached the producers first; ``task_rejected``:
+    a message it could not read): the dedupe mark it carried goes, by its token, recorded
+    ``failed``. Kept, it would coalesce every later ``apply_async`` into a message that no
+    one will run, until ``dedupe_ttl``."""
+    mark = mark_of(message)
+    app = getattr(sender, "app", None)
+    if mark is None or app is None:
+        return
+    if name is not None:
+        problem, why = "NotRegistered", f"no task {name!r} is registered in this worker"
+    else:
+        problem, why = type(exc).__name__ if exc else "UnknownMessage", str(exc or "unknown format")
+    details = f"the worker dropped the message without running it: {why}"
+    lock = Lock(settings(app).backend, mark.key)
+    dedupe.release_mark(lock, mark, Outcome.FAILED, problem, details)
 
 
 def _end_carried_mark(
