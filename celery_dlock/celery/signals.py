@@ -216,18 +216,21 @@ def release_dead_attempt(
         return None
     if not ours:
         return None  # released already, or another attempt's
-    gone = _gone(ours[0][1], wait, cause)
+    gone = _gone([lease for _, lease in ours], wait, cause)
     if gone is not True:
         return gone
-    records = [_end_dead(task, task_id, lock, lease, outcome, cause) for lock, lease in ours]
+    # Only the dead holder's: a task id the caller reused may name a live attempt's slot.
+    dead = [(lock, lease) for lock, lease in ours if lease.holder.is_gone()]
+    records = [_end_dead(task, task_id, lock, lease, outcome, cause) for lock, lease in dead]
     return next((record for record in records if record is not None), None)
 
 
-def _gone(lease: Any, wait: float, cause: BaseException) -> bool | object | None:
-    """True once ``lease``'s holder is gone; ``_WAITING`` while it lives and ``wait`` is 0;
-    None if it still lives after ``wait`` seconds (left to the janitor)."""
+def _gone(leases: list[Any], wait: float, cause: BaseException) -> bool | object | None:
+    """True once the holder of one of ``leases`` is gone; ``_WAITING`` while all live and
+    ``wait`` is 0; None if all still live after ``wait`` seconds (left to the janitor)."""
     deadline = time.monotonic() + wait
-    while not lease.holder.is_gone():
+    lease = leases[0]
+    while not any(each.holder.is_gone() for each in leases):
         if wait == 0:
             return _WAITING
         if time.monotonic() > deadline:
