@@ -44,6 +44,7 @@ from celery_dlock.aiotasks import (
     offload,
     pool,
     shielded,
+    to_its_end,
 )
 from celery_dlock.backends.base import AsyncStore, LockBackend, Place, remembered, validate_ttl
 from celery_dlock.errors import BackendError, ConfigurationError, DLockError, LockLostError
@@ -193,27 +194,15 @@ class AsyncLock:
             raise
 
     async def _through(self, work: Awaitable[T], stop: Callable[[], object] | None = None) -> T:
-        """``work``, in a task of its own, to its end even if the awaiting coroutine is
-        cancelled meanwhile, once or more: the cancel is raised after it (an error of
-        ``work`` is logged: a cancel always propagates). ``stop``, called at the first
-        cancel, may end it sooner (a call still in a pool's queue)."""
-        task = asyncio.ensure_future(work)
-        cancelled: asyncio.CancelledError | None = None
-        while not task.done():
-            try:
-                await asyncio.wait([task])
-            except asyncio.CancelledError as exc:
-                if cancelled is None and stop is not None:
-                    stop()
-                cancelled = exc
-        if cancelled is None:
-            return task.result()
-        if not task.cancelled() and (error := task.exception()) is not None:
-            extra = fields("cancelled_call_failed", self.lease, key=self.key)
-            logger.error(
-                "%s: a call whose caller was cancelled failed: %s", self.key, error, extra=extra
-            )
-        raise cancelled
+        """``work`` to its end, whatever cancels its caller meanwhile (``to_its_end``); an
+        error of ``work`` after a cancel is logged."""
+        return await to_its_end(work, stop, self._failed_after_cancel)
+
+    def _failed_after_cancel(self, error: BaseException) -> None:
+        extra = fields("cancelled_call_failed", self.lease, key=self.key)
+        logger.error(
+            "%s: a call whose caller was cancelled failed: %s", self.key, error, extra=extra
+        )
 
     async def _try(self, store: AsyncStore, place: Place | None) -> Lease | None:
         lock = self._lock
@@ -277,15 +266,15 @@ class AsyncLock:
     ) -> Record | None:
         """Stop renewing, then release: through the store's asyncio client, or the pool."""
         await self._stop_renewal()
-        lease, store = self.lease, self._store
+        lease, store, reported = self.lease, self._store, self.lost
         if (
             store is None
             or lease is None
             or remembered(outcome, result, lease.holder.task_name) is not None
         ):
             # A success that ``once`` keeps is stored with retries: Lock's, in the pool.
-            return await offload(self._lock.release, outcome, problem, details, result)
-        ending = self._lock.ending(outcome, problem, details, result)
+            return await offload(_released, self._lock, reported, outcome, problem, details, result)
+        ending = self._lock.ending(outcome, problem, details, result)._replace(reported=reported)
         lease = ending.lease
         started = time.perf_counter()
         try:
@@ -376,11 +365,14 @@ class AsyncLock:
         await asyncio.wait([task])
 
     def _lose(self) -> None:
-        """Renewal found the lease gone: reported, unless its session's end was already."""
+        """Renewal found the lease gone: reported, unless its session's end was already;
+        then its session's watcher, a task of this loop, stops: one report per lost lease."""
         lease = self.lease
         if lease is None or self.lost:
             return
         self._lost = True
+        if self._lock._unwatch is not None:  # Lock's own watch (it has no renewer)
+            self._lock._unwatch()
         report_lost(lease, self._call_on_lost, backend=self.backend.url)
 
     def _lost_elsewhere(self, lease: Lease) -> None:
@@ -439,6 +431,14 @@ class AsyncLock:
 
 def _leave(place: Place) -> None:
     place.leave()
+
+
+def _released(lock: Lock, reported: bool, *how: Any) -> Record | None:
+    """``lock.release(*how)``; ``reported``: the loss was, by this AsyncLock's renewal."""
+    ending = lock.ending(*how)._replace(reported=reported)
+    if remembered(ending.outcome, ending.result, ending.lease.holder.task_name) is None:
+        return releasing.release(lock.backend, ending)
+    return releasing.release_success(lock.backend, ending, lock.success_retry)
 
 
 async def _renewing(ref: weakref.ref[AsyncLock], ttl: float) -> None:

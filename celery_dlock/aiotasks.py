@@ -14,7 +14,10 @@ from typing import Any, TypeVar
 
 from celery_dlock.backends.base import Place
 
-__all__ = ["OFFLOAD_THREADS", "WAIT_THREADS", "cancellable", "keep", "offload", "pool", "shielded"]
+__all__ = [
+    "OFFLOAD_THREADS", "WAIT_THREADS", "cancellable", "keep", "offload", "pool", "shielded",
+    "to_its_end",
+]  # fmt: skip
 
 #: Threads per process that run the short store calls of every AsyncLock (a try, a
 #: release, a renewal)...
@@ -108,4 +111,29 @@ async def cancellable(wait: Awaitable[Place | None]) -> Place | None:
         place = task.result()
         if place is not None:
             place.leave()
+    raise cancelled
+
+
+async def to_its_end(
+    work: Awaitable[T],
+    stop: Callable[[], object] | None = None,
+    failed: Callable[[BaseException], object] | None = None,
+) -> T:
+    """``work``, in a task of its own, to its end even if the awaiting coroutine is
+    cancelled meanwhile, once or more: the cancel is raised after it (an error of ``work``
+    then goes to ``failed``: a cancel always propagates). ``stop``, called at the first
+    cancel, may end it sooner (a call still in a pool's queue)."""
+    task = asyncio.ensure_future(work)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError as exc:
+            if cancelled is None and stop is not None:
+                stop()
+            cancelled = exc
+    if cancelled is None:
+        return task.result()
+    if not task.cancelled() and (error := task.exception()) is not None and failed is not None:
+        failed(error)
     raise cancelled
