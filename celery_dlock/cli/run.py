@@ -12,7 +12,10 @@ it (``PR_SET_PDEATHSIG``), so that the next run cannot overlap a command whose l
 A lease lost while the command runs (its Postgres session ended, a renewal found it expired
 or force-released) stops the command for the same reason: SIGTERM at once, SIGKILL
 ``--lost-grace`` seconds later (:data:`LOST_GRACE` by default; 0 kills at once); the release
-is recorded ``lost``, naming how it ended.
+is recorded ``lost``, naming how it ended. The runner learns of it from the store (a renewal
+that finds the lease gone, the Postgres lock session's watcher) or from its own reads of the
+lease while the command runs, every ``--watch`` seconds: once a second, every 10 s on S3 and
+GCS, none where the store notices as soon (:func:`~celery_dlock.cli.lost.watch_every`).
 The command finds the key and the lease's fence in ``DLOCK_KEY`` and ``DLOCK_FENCE``.
 
 Ctrl-C on a terminal signals the whole foreground process group, the command included (it
@@ -50,10 +53,15 @@ from typing import Any, BinaryIO
 
 import click
 
-from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.env import EXIT_INTERRUPTED, Env, UsageFailure, guarded_creating
-from celery_dlock.cli.render import DURATION
-from celery_dlock.errors import DLockError, LockNotAcquiredError
+from celery_dlock.cli.lost import LOST_GRACE, WATCH_LEAST, Guard, Watch, say, watch_every
+from celery_dlock.cli.render import DURATION, DurationType
+from celery_dlock.errors import (
+    ConfigurationError,
+    DLockError,
+    LockNotAcquiredError,
+    LockTimeoutError,
+)
 from celery_dlock.keys import validate_key
 from celery_dlock.lock import Lock
 from celery_dlock.records import Holder, Lease, Outcome
@@ -66,10 +74,6 @@ EXIT_BUSY = 75
 EXIT_STORE = 69
 #: The task name of the runner's leases, under which ``--once`` keeps a success.
 RUN_TASK = "celery-dlock run"
-#: Seconds between the SIGTERM and the SIGKILL of a command whose lease was lost, by default.
-LOST_GRACE = 10.0
-#: Seconds between the runner's reads of its own lease while the command runs.
-WATCH_EVERY = 1.0
 #: Bytes of the command's stderr kept for the record of a failure.
 STDERR_TAIL = 4096
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -77,12 +81,32 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 
 
+class _WaitType(DurationType):
+    """``--wait``: a duration, or ``forever`` (no limit)."""
+
+    name = "duration|forever"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.strip().lower() in ("forever", "inf"):
+            return None
+        return super().convert(value, param, ctx)
+
+
+WAIT = _WaitType()
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.argument("key")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-@click.option("--ttl", type=float, help="Lease seconds, renewed while the command runs.")
 @click.option(
-    "--wait", type=float, default=0.0, show_default=True, help="Seconds to wait for the key."
+    "--ttl", type=DURATION, help="Lease seconds (or 10m, 1h), renewed while the command runs."
+)
+@click.option(
+    "--wait",
+    type=WAIT,
+    default="0",
+    show_default=True,
+    help="Seconds (or 10m) to wait for the key; 'forever' waits without limit.",
 )
 @click.option("--once", is_flag=True, help="Run at most one success of this key, ever.")
 @click.option(
@@ -94,6 +118,15 @@ _PR_SET_PDEATHSIG = 1
     show_default=True,
     help="Seconds from the SIGTERM to the SIGKILL of a command whose lease was lost.",
 )
+@click.option(
+    "--watch",
+    type=DURATION,
+    help="Seconds between reads of the lease while the command runs: a forced release stops "
+    "the command within that time (plus one read). Default 1 s; 10 s on S3 and GCS, which "
+    "bill each read (8,640 a day). No reads where the store notices as soon: Postgres "
+    "without --ttl (its session watcher, within about 1 s), or a renewal (every ttl/3) "
+    "due as often.",
+)
 @guarded_creating
 def run(
     env: Env,
@@ -101,12 +134,15 @@ def run(
     command: tuple[str, ...],
     *,
     ttl: float | None,
-    wait: float,
+    wait: float | None,
     once: bool,
     lost_grace: float,
+    watch: float | None,
 ) -> None:
     """Run COMMAND holding the lock KEY (given in full, e.g. job:backup:nightly)."""
     words = _words(key, command)
+    if watch is not None and watch < WATCH_LEAST:
+        raise UsageFailure(f"--watch takes at least {WATCH_LEAST:g} s, not {watch:g}")
     backend = env.backend
     if ttl is None and backend.capabilities.liveness == "lease" and backend.default_ttl is None:
         raise UsageFailure(
@@ -114,11 +150,16 @@ def run(
             "expires: give --ttl SECONDS (renewed while the command runs)"
         )
     holder = Holder.current(task_name=RUN_TASK)
-    guard = _Guard(lost_grace)
-    lock = Lock(backend, key, ttl, wait, holder=holder, on_lost=guard.lost)
+    guard = Guard(lost_grace)
+    try:
+        lock = Lock(backend, key, ttl, wait, holder=holder, on_lost=guard.lost)
+    except ConfigurationError as exc:  # a --ttl or --wait out of range
+        option = "--ttl" if "ttl" in str(exc) else "--wait"
+        raise UsageFailure(f"{option}: {exc}") from None
     lease = _take(env, lock, once)
     if lease is not None:
-        raise click.exceptions.Exit(_run_holding(lock, lease, words, once, guard))
+        every = watch_every(lock, watch)
+        raise click.exceptions.Exit(_run_holding(lock, lease, words, once, guard, every=every))
 
 
 def _words(key: str, command: tuple[str, ...]) -> list[str]:
@@ -152,7 +193,9 @@ def _take(env: Env, lock: Lock, once: bool) -> Lease | None:
             env.echo(f"{key}: the command succeeded before (--once): not run again")
             return None
     except LockNotAcquiredError as exc:
-        env.echo(f"{key} is busy: {exc}", err=True)
+        waited = f" after {exc.wait:g} s" if isinstance(exc, LockTimeoutError) else ""
+        held = f", held by {exc.holder}" if exc.holder else ""
+        env.echo(f"{key} is busy{waited}{held}: the command was not run", err=True)
         with contextlib.suppress(DLockError):  # the history is a courtesy: 75 says it all
             lock.record_skip("locked", f"the command was not run: {exc}")
         raise click.exceptions.Exit(EXIT_BUSY) from None
@@ -168,8 +211,11 @@ def _take(env: Env, lock: Lock, once: bool) -> Lease | None:
     return lease
 
 
-def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool, guard: _Guard) -> int:
-    """Run the command under ``lease``; release with its outcome; its exit code."""
+def _run_holding(
+    lock: Lock, lease: Lease, words: list[str], once: bool, guard: Guard, *, every: float | None
+) -> int:
+    """Run the command under ``lease``, reading it back every ``every`` seconds (None:
+    never); release with its outcome; its exit code."""
     stopping: list[int] = []
     started: list[subprocess.Popen[bytes]] = []
     with _forwarding(lease.key, stopping, started):
@@ -189,7 +235,7 @@ def _run_holding(lock: Lock, lease: Lease, words: list[str], once: bool, guard: 
             process.send_signal(stopping[0])
         guard.started(process)
         tail = _Tail(process.stderr)  # type: ignore[arg-type]
-        watch = _Watch(lock.backend, lease, guard.lost)
+        watch = Watch(lock.backend, lease, guard.lost, every)
         try:
             status = process.wait()
         finally:
@@ -218,10 +264,10 @@ def _forwarding(
         stopping.append(signum)
         name = signal.Signals(signum).name
         if _from_terminal(signum):
-            _say(f"{key}: {name} from the terminal: the command got it too")
+            say(f"{key}: {name} from the terminal: the command got it too")
         elif started:
             started[0].send_signal(signum)
-            _say(f"{key}: {name} passed to the command")
+            say(f"{key}: {name} passed to the command")
 
     # Installed before the command starts: a signal in between is not lost (nor a traceback).
     # One we were started ignoring stays ignored, for the command too (`nohup` ignores SIGHUP).
@@ -235,12 +281,6 @@ def _forwarding(
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-
-
-def _say(text: str) -> None:
-    """A line on stderr from a signal handler: it may find stderr gone or mid-write."""
-    with contextlib.suppress(OSError, RuntimeError):
-        click.echo(text, err=True)
 
 
 def _from_terminal(signum: int) -> bool:
@@ -281,107 +321,20 @@ def _ending(
     status: int, stopping: list[int], stderr: str, lost: bool = False
 ) -> tuple[Outcome, str | None, str]:
     why = "the runner lost its lease" if lost else ""
+    # Stopped because its lease was lost: failed (no one told the runner to stop: revoked).
+    told_to = Outcome.FAILED if lost else Outcome.REVOKED
     if stopping and status >= 0:  # it stopped on its own terms when told to: not a success
         told = why or f"the runner got {signal.Signals(stopping[0]).name}"
-        return Outcome.REVOKED, f"exit {status}", f"exit {status} ({told})"
+        return told_to, f"exit {status}", f"exit {status} ({told})"
     if status == 0:
         return Outcome.SUCCEEDED, None, "exit 0"
     if status < 0:
         name = signal.Signals(-status).name
         told = why or (f"the runner got {signal.Signals(stopping[0]).name}" if stopping else "")
         told = f" ({told})" if told else ""
-        outcome = Outcome.REVOKED if stopping else Outcome.FAILED
+        outcome = told_to if stopping or lost else Outcome.FAILED
         return outcome, f"signal {name}", f"ended by {name}{told}\n{stderr}".rstrip()
     return Outcome.FAILED, f"exit {status}", f"exit {status}\n{stderr}".rstrip()
-
-
-class _Guard:
-    """Stops the command when the lease is lost while it runs (``on_lost``, called from a
-    renewal or session-watching thread): another holder may start it now. SIGTERM at once,
-    SIGKILL after ``grace`` seconds if it is still running."""
-
-    def __init__(self, grace: float = LOST_GRACE) -> None:
-        self._grace = grace
-        self._mutex = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._lost: Lease | None = None
-        self._kill: threading.Timer | None = None
-        #: True once the command was told to stop because the lease was lost.
-        self.stopped = False
-
-    def lost(self, lease: Lease) -> None:
-        with self._mutex:
-            self._lost = lease
-            process = self._process
-        if process is not None:
-            self._stop(process, lease)
-
-    def started(self, process: subprocess.Popen[bytes]) -> None:
-        with self._mutex:
-            self._process = process
-            lease = self._lost
-        if lease is not None:  # lost between the acquire and the start
-            self._stop(process, lease)
-
-    def _stop(self, process: subprocess.Popen[bytes], lease: Lease) -> None:
-        with self._mutex:
-            if self.stopped or process.returncode is not None:
-                return
-            self.stopped = True
-            # Popen.send_signal does nothing once the command is reaped: the timer never
-            # kills a pid reused by another process.
-            kill = self._kill = threading.Timer(self._grace, process.send_signal, (signal.SIGKILL,))
-            kill.daemon = True
-        _say(
-            f"error: the lease on {lease.key} (fence {lease.fence}) was lost while the command "
-            f"runs: another holder may run now; stopping the command (SIGTERM, SIGKILL in "
-            f"{self._grace:g} s)"
-        )
-        process.send_signal(signal.SIGTERM)
-        kill.start()
-
-    def ended(self) -> None:
-        """The command exited: no SIGKILL after all (its pid may be another's soon)."""
-        with self._mutex:
-            self._process = None
-            kill = self._kill
-        if kill is not None:
-            kill.cancel()
-
-
-class _Watch:
-    """Reads ``lease`` back every :data:`WATCH_EVERY` seconds while the command runs and
-    calls ``lost(lease)`` once the key is free or another's. A forced release is otherwise
-    learnt only by a store that watches its holders (Postgres sessions) or at the next
-    renewal (every ttl/3: 20 s on Redis's default 60 s), and on the file store without a
-    ttl never: the command ran on beside the next holder. A store that fails to answer is
-    asked again; its renewal, if any, reports a lease that ran out."""
-
-    def __init__(self, backend: LockBackend, lease: Lease, lost: Callable[[Lease], None]) -> None:
-        self._backend = backend
-        self._lease = lease
-        self._lost = lost
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="dlock-run-watch", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        token = self._lease.token
-        while not self._stopped.wait(WATCH_EVERY):
-            try:
-                current = self._backend.get(self._lease.key)
-            except DLockError:
-                continue
-            if current is None or current.token != token:
-                if not self._stopped.is_set():  # not the runner's own release
-                    self._lost(self._lease)
-                return
-
-    def stop(self) -> None:
-        """The command exited: stop watching before the lease is released. Not joined: a
-        read under way may wait for a slow store, and what it finds then is ignored (the
-        guard stops no command that has exited)."""
-        self._stopped.set()
 
 
 class _Tail:

@@ -68,6 +68,7 @@ def test_a_lease_force_released_while_the_command_runs_stops_the_command(
     assert Outcome.FORCED in {r.outcome for r in mine}
     lost = next(r for r in mine if r.outcome is Outcome.LOST)
     assert "the runner lost its lease" in (lost.details or "")
+    assert (lost.details or "").startswith("failed not recorded")  # stopped, not revoked
 
 
 def test_a_lock_session_that_ends_while_the_command_runs_stops_the_command(
@@ -95,6 +96,7 @@ def test_a_lock_session_that_ends_while_the_command_runs_stops_the_command(
     [record] = pg_store.backend.history(key=KEY)
     assert record.lease.token == held.token and record.outcome is Outcome.LOST
     assert "ended by SIGTERM (the runner lost its lease)" in (record.details or "")
+    assert (record.details or "").startswith("failed not recorded")  # stopped, not revoked
 
 
 def test_a_command_that_ignores_the_sigterm_of_a_lost_lease_is_killed(
