@@ -214,7 +214,8 @@ class Holder:
         return self.started is not None and started != self.started
 
     def describe(self) -> str:
-        """``task_name[task_id] on worker (pid N on host)``; SQL's ``sql on name (pid...)``."""
+        """``task_name[task_id] on worker (pid N on host)``, ``task_name (pid N on host)``
+        (``celery-dlock run``, a named Holder), or ``pid N on host``."""
         who = f"pid {self.pid} on {self.host}"
         if self.task_id:
             task = f"{self.task_name or 'task'}[{self.task_id}]"
@@ -222,7 +223,7 @@ class Holder:
             return f"{task}{where} ({who})"
         if self.worker:
             return f"{self.task_name or 'holder'} on {self.worker} ({who})"
-        return who
+        return f"{self.task_name} ({who})" if self.task_name else who
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -348,7 +349,7 @@ class Lease:
     """
 
     key: str
-    token: str
+    token: str = field(repr=False)  # the release capability: kept out of logs
     fence: int
     holder: Holder
     acquired_at: float

@@ -159,3 +159,32 @@ def test_a_zombie_holder_is_gone() -> None:
     assert holder.is_gone()
     child.wait()
     child.stdout.close()
+
+
+def test_a_leases_repr_and_a_records_keep_its_token_out_of_logs() -> None:
+    """The token is the lease's release capability: ``print(lease)`` or a log line with the
+    lease or its record must not carry it; ``to_dict`` (the store's own) still does."""
+    lease = Lease("job:order:42", "b6b439cd2e7c3789", 17, Holder.current(), time.time())
+    record = Record(lease, time.time(), Outcome.SUCCEEDED, None, None)
+    for text in (repr(lease), str(lease), repr(record)):
+        assert "b6b439cd2e7c3789" not in text and "job:order:42" in text and "17" in text
+    assert lease.to_dict()["token"] == "b6b439cd2e7c3789"
+
+
+@pytest.mark.parametrize("ttl", [0, -1.0, float("nan")])
+def test_a_bad_ttl_says_what_none_means(ttl: float) -> None:
+    from celery_dlock import ConfigurationError, Lock
+    from celery_dlock.backends.memory import MemoryBackend
+
+    with pytest.raises(ConfigurationError) as raised:
+        Lock(MemoryBackend(), "job:ttl", ttl=ttl)
+    message = str(raised.value)
+    assert "None for the store's default" in message and "no expiry" in message
+    assert "None for no expiry," not in message
+
+
+def test_a_named_holder_without_a_worker_is_shown_by_its_name() -> None:
+    """``celery-dlock run``'s leases were shown as a bare ``pid N on host``, like any process."""
+    runner = Holder.current(task_name="celery-dlock run")
+    assert runner.describe() == f"celery-dlock run (pid {os.getpid()} on {runner.host})"
+    assert Holder.current().describe() == f"pid {os.getpid()} on {runner.host}"

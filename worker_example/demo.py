@@ -112,6 +112,12 @@ def main() -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
         say(f"worker and beat stopped; logs in {data}")
+        if "DLOCK_EXAMPLE_SCHEMA" in settings:
+            schema = settings["DLOCK_EXAMPLE_SCHEMA"]
+            say(
+                f"left the schemas {schema} and {schema}_locks in the database, to look at; "
+                f"remove them with DROP SCHEMA {schema}, {schema}_locks CASCADE"
+            )
 
 
 def _postgres_settings(url: str) -> dict[str, str]:
@@ -266,7 +272,8 @@ class Demo:
             )
 
         runs = self.webhook_runs()
-        print(f"\n{WEBHOOKS} webhook submissions for customer-1 became {runs} runs (dedupe)")
+        runs_word = "run" if runs == 1 else "runs"
+        print(f"\n{WEBHOOKS} webhook submissions for customer-1 became {runs} {runs_word} (dedupe)")
         moved_money, apart = self.transfers_apart()
         print(
             f"{moved_money} opposite transfers between accounts A and B, never two at once: "

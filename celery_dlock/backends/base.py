@@ -73,7 +73,7 @@ MAX_KEY_BYTES = 1024
 
 
 def validate_ttl(ttl: float | None) -> float | None:
-    """``ttl`` as float seconds, or None for no expiry.
+    """``ttl`` as float seconds, or None for the store's default (:attr:`default_ttl`).
 
     Raises:
         ConfigurationError: for zero or negative values (a zero TTL would delete the lock in
@@ -85,7 +85,9 @@ def validate_ttl(ttl: float | None) -> float | None:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL:
         raise ConfigurationError(
             f"ttl must be a positive number of seconds up to {MAX_TTL:.0f} (ten years),"
-            f" or None for no expiry, not {ttl!r}"
+            f" or None for the store's default (no expiry where a lease lives by its holder's"
+            f" connection or process; the URL's ttl, renewed, where it lives by its ttl alone),"
+            f" not {ttl!r}"
         )
     return float(ttl)
 

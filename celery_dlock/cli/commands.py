@@ -60,11 +60,24 @@ def _key_hint(env: Env, key: str, *, history: bool = False) -> str:
             f" (a key with a limit: its slots {', '.join(slots)} are held, each by its own lease)"
         )
     prefix = env.target.prefix
-    if not prefix or key.startswith(prefix):
+    if prefix and not key.startswith(prefix):
+        full = prefix + key
+        found = (history and env.backend.history(key=full, limit=1)) or env.backend.get(full)
+        if found:
+            return f" (keys are given in full: did you mean {full!r}?)"
+    return _prefix_hint(env, key) if history else ""
+
+
+def _prefix_hint(env: Env, key: str) -> str:
+    """A hint when ``--key`` was meant as a prefix: keys of the newest records start with it."""
+    started = sorted({r.key for r in env.backend.history(limit=RECENT) if r.key.startswith(key)})
+    if not started:
         return ""
-    full = prefix + key
-    found = (history and env.backend.history(key=full, limit=1)) or env.backend.get(full)
-    return f" (keys are given in full: did you mean {full!r}?)" if found else ""
+    shown = ", ".join(started[:3]) + (", ..." if len(started) > 3 else "")
+    return (
+        f" (--key is one key in full; {len(started)} keys of the newest records start with "
+        f"it: {shown}; `timeline --key {key}` shows them together)"
+    )
 
 
 def _slot_of(slot: str, key: str) -> bool:

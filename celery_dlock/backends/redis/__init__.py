@@ -32,8 +32,8 @@ Guarantees
     does not matter; a holder that stops renewing (SIGKILL, lost host) loses its key at
     expiry. A lease that Redis expired is recorded ``expired`` by the next ``try_acquire``,
     ``release``, ``renew`` or ``reap`` that sees it, exactly once (the check and the record
-    are one script). A lease taken with ``ttl=None`` never expires: only its holder or
-    an operator (``celery dlock release``) frees it.
+    are one script). A lease taken with ``ttl=None`` gets the URL's ``ttl`` (default 60 s),
+    which a ``Lock`` renews: a lease never lives here without an expiry.
     partition: a holder cut off from Redis cannot renew; its lease expires on Redis's
     clock while it may still run. Fences make that detectable: hand ``lease.fence`` to
     the resource and have it refuse lower ones.

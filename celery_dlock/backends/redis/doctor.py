@@ -22,7 +22,7 @@ def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
         "their leases lost and no lock is granted for restart_delay. With RDB snapshots "
         "(save points) a crash brings back the last snapshot instead: leases taken since "
         "are lost (no lock is granted for restart_delay, so their holders notice), leases "
-        "released since are held again (one without a ttl until `celery dlock release`)"
+        "released since are held again until their ttl runs out"
     )
     role = info.get("role", "?")
     cluster = info.get("cluster_enabled") == "1"
