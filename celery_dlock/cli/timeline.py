@@ -243,7 +243,10 @@ def timeline(
     if output is not None:
         svg = render_svg(bars, since, until)
         text = page(svg, _caption(since, until, bars)) if output.suffix.lower() != ".svg" else svg
-        output.write_text(text, encoding="utf-8")
+        try:
+            output.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from None
         if not as_json:
             env.echo(f"wrote {output}: {len(bars)} leases on {keys} keys since {local_time(since)}")
     if as_json:  # the shapes of `history --json` (records) and `leases --json` (leases, now)

@@ -260,12 +260,15 @@ def _lease_row(lease: Any, now: float) -> dict[str, Any]:
 def _record_row(record: Record) -> dict[str, Any]:
     details = record.details or ""
     message, _, traceback = details.partition("\n")
+    problem = record.problem or ""
+    if problem and message.startswith(f"{problem}:"):  # "once: once: ..." said it twice
+        message = message[len(problem) + 1 :].lstrip()
     return {
         "released": local_time(record.released_at),
         "key": record.key,
         "outcome": record.outcome.value,
         "colour": COLOURS.get(record.outcome.value, "#000"),
-        "problem": record.problem or "",
+        "problem": problem,
         "message": message,
         "traceback": traceback.strip(),
         "fence": record.fence,

@@ -349,3 +349,17 @@ def test_a_busy_store_s_successes_crowd_out_no_failure_or_filtered_key(
     out = tmp_path / "other.svg"
     drawn = run_cli("--backend", pg_store.url, "timeline", "--key", "job:other:", "-o", str(out))
     assert drawn.returncode == 0 and "20 leases on 20 keys" in drawn.stdout
+
+
+def test_a_problem_its_details_already_name_is_shown_once(
+    pg_store: CliStore, served: Server
+) -> None:
+    """A replayed ``once`` duplicate is recorded problem ``once``, details ``once: already
+    succeeded ...``: the page said ``once: once: already succeeded``."""
+    lease = pg_store.backend.try_acquire("job:order:77", Holder.current(), None)
+    assert lease is not None
+    pg_store.backend.release(lease, Outcome.SKIPPED, "once", "once: already succeeded (fence 3)")
+    status, page = served.get("/?key=job:order:77")
+    assert status == 200
+    assert "once: already succeeded (fence 3)" in page
+    assert "once: once:" not in page

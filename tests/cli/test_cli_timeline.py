@@ -130,3 +130,12 @@ def test_json_has_the_records_and_the_held_leases_of_the_picture(
 def test_without_output_nor_json_is_a_usage_error(file_store: CliStore) -> None:
     result = run_cli("--backend", file_store.url, "timeline")
     assert result.returncode == 2 and "-o FILE.svg" in result.stderr and "--json" in result.stderr
+
+
+def test_an_output_in_a_missing_directory_says_it_cannot_write_there(
+    file_store: CliStore, tmp_path: Path
+) -> None:
+    target = tmp_path / "nowhere" / "t.svg"
+    result = run_cli("--backend", file_store.url, "timeline", "-o", str(target))
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"Error: cannot write {target}: No such file or directory"
