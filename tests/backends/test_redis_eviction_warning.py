@@ -5,11 +5,12 @@ first talks to it, once, not only when someone runs ``celery dlock doctor``. A p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
 
-from celery_dlock import Lock, backend_from_url
+from celery_dlock import AsyncLock, Lock, backend_from_url
 
 redis = pytest.importorskip("redis")
 
@@ -20,6 +21,14 @@ from tests.backends.test_redis_server import RedisServer  # noqa: E402
 server = test_redis_server.server
 
 LOGGER = "celery_dlock.backends.redis"
+
+
+@pytest.fixture(autouse=True)
+def unwarned() -> None:
+    """Each test's server unwarned about in this process (a port may come again)."""
+    from celery_dlock.backends.redis import client
+
+    client._warned.clear()
 
 
 def configure(server: RedisServer, maxmemory: str, policy: str) -> None:
@@ -66,3 +75,24 @@ def test_a_redis_that_cannot_evict_is_not_warned_about(
     finally:
         backend.close()
     assert warnings_of(caplog) == []
+
+
+def test_an_asyncio_client_names_an_evicting_redis_too(
+    server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    configure(server, "100mb", "volatile-lru")
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    backend = backend_from_url(server.url("evicting-aio"))
+
+    async def twice() -> None:
+        for _ in range(2):
+            async with AsyncLock(backend, "report:daily"):
+                pass
+
+    try:
+        asyncio.run(twice())
+        asyncio.run(twice())  # another loop: its own connections, no second warning
+    finally:
+        backend.close()
+    [warning] = warnings_of(caplog)
+    assert "maxmemory-policy volatile-lru" in warning

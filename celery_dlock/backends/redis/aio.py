@@ -28,7 +28,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from celery_dlock.backends.base import Place
 from celery_dlock.backends.common import LoopLocal
 from celery_dlock.backends.redis.calls import Calls
-from celery_dlock.backends.redis.client import AMBIGUOUS, Client, backoff, doubt
+from celery_dlock.backends.redis.client import AMBIGUOUS, Client, backoff, doubt, evicting
 from celery_dlock.backends.redis.fields import lease_from_state
 from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import ACQUIRE, PEEK, PROBE, RELEASE, RENEW, Script
@@ -63,6 +63,8 @@ class _LoopConnections:
         #: (key, token) of acquires whose reply never came: released once Redis answers.
         self.doubtful: list[tuple[str, str]] = []
         self._keeper: AsyncGenerator[None, None] | None = None
+        #: Whether the server's eviction policy was read (by the first connection made).
+        self._policy_read = False
 
     async def _keep(self) -> AsyncGenerator[None, None]:
         """Closes the connections when the loop shuts down: ``asyncio.run`` (and any loop's
@@ -108,7 +110,19 @@ class _LoopConnections:
             self._keeper = self._keep()
             await anext(self._keeper)
         self._open += 1
-        return self._make()
+        connection = self._make()
+        if not self._policy_read:
+            self._policy_read = True
+            try:
+                await connection.send_command("INFO", "memory")
+                evicting(await connection.read_response(), connection)
+            except ResponseError:
+                pass  # INFO refused (an ACL): left to the doctor
+            except BaseException:
+                await self._drop(connection)
+                self._policy_read = False
+                raise
+        return connection
 
     def _wake(self) -> None:
         """Wake the first call still waiting for a connection."""

@@ -39,7 +39,10 @@ from celery_dlock.backends.redis.scripts import Script
 from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 
-__all__ = ["AMBIGUOUS", "Client", "Connections", "Wire", "backoff", "doubt"]
+__all__ = [
+    "AMBIGUOUS", "Client", "Connections", "Wire", "backoff", "doubt", "evicting",
+    "warn_if_evicting",
+]  # fmt: skip
 
 logger = logging.getLogger("celery_dlock.backends.redis")
 
@@ -178,33 +181,45 @@ class Connections:
 
 
 def warn_if_evicting(connection: Any) -> None:
-    """Warn when the server behind ``connection`` may evict keys (a ``maxmemory`` and a
-    policy other than ``noeviction``): an evicted lock key is a lock given away, and
-    managed Redis often defaults to ``volatile-lru``, which evicts exactly the keys with a
-    ttl. Read once per process and server, from ``INFO`` (``CONFIG`` is often disabled);
-    a server that refuses ``INFO`` (an ACL) is left to ``celery dlock doctor``."""
+    """Read the eviction policy of the server behind ``connection`` (a new one) and warn
+    when it may evict keys (:func:`evicting`). A server that refuses ``INFO`` (an ACL) is
+    left to ``celery dlock doctor``."""
     connection.send_command("INFO", "memory")
     try:
         reply = connection.read_response()
     except ResponseError:
         return
-    text = reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
-    info = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    policy = info.get("maxmemory_policy", "noeviction").strip()
-    limit = info.get("maxmemory", "0").strip()
-    if policy != "noeviction" and limit.isdigit() and int(limit) > 0:
-        where = getattr(connection, "path", None) or (
-            f"{getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
-        )
-        logger.warning(
-            "Redis at %s may evict keys (maxmemory %s bytes, maxmemory-policy %s): an "
-            "evicted lock key is a lock given away while its holder runs. Set "
-            "maxmemory-policy noeviction (celery dlock doctor checks it)",
-            where,
-            limit,
-            policy,
-            extra=fields("redis_evicting"),
-        )
+    evicting(reply, connection)
+
+
+#: The servers warned about in this process (``host:port`` or a socket's path).
+_warned: set[str] = set()
+
+
+def evicting(info: Any, connection: Any) -> None:
+    """Warn once per process and server when ``INFO memory`` (``info``) shows a
+    ``maxmemory`` and a policy other than ``noeviction``: an evicted lock key is a lock
+    given away, and managed Redis often defaults to ``volatile-lru``, which evicts exactly
+    the keys with a ttl. ``INFO``, not ``CONFIG``, which managed Redis often disables."""
+    text = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    fields_ = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    policy = fields_.get("maxmemory_policy", "noeviction").strip()
+    limit = fields_.get("maxmemory", "0").strip()
+    where = getattr(connection, "path", None) or (
+        f"{getattr(connection, 'host', '?')}:{getattr(connection, 'port', '?')}"
+    )
+    if policy == "noeviction" or not limit.isdigit() or int(limit) == 0 or where in _warned:
+        return
+    _warned.add(where)
+    logger.warning(
+        "Redis at %s may evict keys (maxmemory %s bytes, maxmemory-policy %s): an evicted "
+        "lock key is a lock given away while its holder runs. Set maxmemory-policy "
+        "noeviction (celery dlock doctor checks it)",
+        where,
+        limit,
+        policy,
+        extra=fields("redis_evicting"),
+    )
 
 
 class Client:
