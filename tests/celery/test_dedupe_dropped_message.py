@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.signals import before_task_publish
 
 from celery_dlock import LockedTask, Outcome, backend_from_url, install
 from celery_dlock.backends.base import LockBackend
@@ -77,3 +78,37 @@ def test_a_message_of_a_task_the_worker_lacks_ends_its_mark(
     finally:
         for app in (producer, older_worker):
             forget_settings(app)
+
+
+def test_a_message_the_worker_cannot_read_ends_its_mark(store: tuple[str, LockBackend]) -> None:
+    """A message whose headers the worker rejects (here an ``eta`` that is no time, as a
+    foreign producer might write): ``task_rejected``, the mark ends ``failed``."""
+    url, backend = store
+    queue = f"unreadable-{uuid.uuid4().hex[:8]}"
+    app = app_of("unreadable", queue, url)
+
+    @app.task(
+        base=LockedTask, name="deploy.report", lock_key="report:{who}", dedupe="until_started",
+        shared=False,
+    )  # fmt: skip
+    def report(who: str) -> None: ...
+
+    def garble(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        if sender == "deploy.report" and isinstance(headers, dict):
+            headers["eta"] = "not a time"
+
+    who = uuid.uuid4().hex[:10]
+    key = mark_key(f"job:report:{who}", "deploy.report")
+    before_task_publish.connect(garble, weak=False)
+    try:
+        first = report.delay(who)
+    finally:
+        before_task_publish.disconnect(garble)
+    try:
+        with embedded_worker(app):
+            [record] = eventually(lambda: backend.history(key=key) or None, "the mark's end")
+        assert record.outcome is Outcome.FAILED and record.problem == "InvalidTaskError"
+        assert record.lease.holder.task_id == first.id
+        assert report.delay(who).id != first.id, "coalesced into the message the worker dropped"
+    finally:
+        forget_settings(app)
