@@ -6,6 +6,15 @@ it), for a ticket or a postmortem::
 One row per key, one bar per lease from its acquisition to its release, coloured by outcome;
 a lease still held runs to now, hatched. Each bar's tooltip (``<title>``) names the outcome,
 fence, holder, times and problem; its ``data-*`` attributes carry the same for scripts.
+
+The window: ``--since`` as typed; without one, the last hour, its start moved up to just
+before the oldest lease in it (a minute of activity fills the picture instead of a sliver
+at its right edge). It ends now. The caption says which window is shown and why.
+
+Size: the ``.svg`` file is :data:`VIEW_WIDTH` px wide with a ``viewBox``; on a page (``serve``
+or ``-o FILE.html``) the picture takes its container's width, but no less than
+:data:`MIN_WIDTH` px (text stays 9 px or larger): a narrower container scrolls the picture
+sideways in its own box, never the page.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 import click
+from click.core import ParameterSource
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.env import Env, UsageFailure, guarded
@@ -31,7 +41,7 @@ from celery_dlock.cli.render import (
 )
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["COLOURS", "Bar", "render_svg", "timeline"]
+__all__ = ["COLOURS", "MIN_WIDTH", "VIEW_WIDTH", "Bar", "Window", "render_svg", "timeline"]
 
 #: Bar colours by outcome; ``held`` is a lease not released yet.
 COLOURS = {
@@ -48,10 +58,19 @@ COLOURS = {
     Outcome.ABANDONED.value: "#f9a825",
     "held": "#64b5f6",
 }
-_LABEL = 260  # px of key labels
-_WIDTH = 1000  # px of the time axis
-_ROW = 18
-_TOP = 40
+#: The picture's width in its own units (``viewBox``): a ``.svg`` file opens this wide.
+VIEW_WIDTH = 1000
+#: The narrowest a picture on a page gets, in CSS px: its 13-unit text is 9 px there.
+MIN_WIDTH = 700
+_FONT = 13
+_LABEL = 240  # key labels; the time axis runs from here to VIEW_WIDTH - _RIGHT
+_RIGHT = 32  # half a tick's label: the last one is not cut off
+_WIDTH = VIEW_WIDTH - _LABEL - _RIGHT
+_ROW = 20
+_TOP = 58
+#: A fitted window is at least this long, and starts this share of it before the oldest lease.
+_SHORTEST = 5.0
+_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -81,8 +100,50 @@ class Bar:
         return "\n".join(lines)
 
 
-def render_svg(bars: Sequence[Bar], since: float, until: float) -> str:
-    """The picture of ``bars`` between ``since`` and ``until`` as an SVG document."""
+@dataclass(frozen=True)
+class Window:
+    """The stretch of time a picture shows, ``start`` to ``end`` (store clock seconds).
+
+    ``asked`` is where the records were read from (``--since``); ``fitted`` says ``start``
+    was moved up from it to just before the oldest lease."""
+
+    start: float
+    end: float
+    asked: float
+    fitted: bool = False
+
+    @classmethod
+    def fit(cls, since: float, until: float, bars: Sequence[Bar]) -> Window:
+        """``since`` to ``until``, its start moved up to just before the oldest bar when that
+        is later: by 5 % of the window (at least 0.5 s), the window at least 5 s long."""
+        oldest = min((bar.start for bar in bars), default=since)
+        if oldest <= since:
+            return cls(since, until, since)
+        start = oldest - max((until - oldest) * _MARGIN, 0.5)
+        start = max(since, min(start, until - _SHORTEST))
+        return cls(start, until, since, start > since)
+
+    def caption(self, bars: Sequence[Bar]) -> str:
+        keys = len({bar.lease.key for bar in bars})
+        return (
+            f"celery-dlock leases from {local_time(self.start)} to {local_time(self.end)} "
+            f"({human_duration(self.end - self.start)}): {len(bars)} leases on {keys} keys"
+        )
+
+    def note(self) -> str:
+        """Why the window starts where it does, if not where it was asked to ("" then)."""
+        if not self.fitted:
+            return ""
+        return (
+            f"fitted to the leases since {local_time(self.asked)}: it starts just before the "
+            "oldest (a since you give is kept as given)"
+        )
+
+
+def render_svg(bars: Sequence[Bar], window: Window, *, fluid: bool = False) -> str:
+    """The picture of ``bars`` in ``window`` as an SVG document: ``VIEW_WIDTH`` px wide, or,
+    ``fluid`` (inside a page), as wide as its container and at least ``MIN_WIDTH`` px."""
+    since, until = window.start, window.end
     keys = sorted({bar.lease.key for bar in bars})
     rows = {key: n for n, key in enumerate(keys)}
     span = max(until - since, 1e-6)
@@ -91,19 +152,29 @@ def render_svg(bars: Sequence[Bar], since: float, until: float) -> str:
     def x(at: float) -> float:
         return _LABEL + _WIDTH * (min(max(at, since), until) - since) / span
 
+    size = (
+        f'width="100%" style="display: block; min-width: {MIN_WIDTH}px; height: auto"'
+        if fluid
+        else f'width="{VIEW_WIDTH}" height="{height}"'
+    )
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LABEL + _WIDTH + 20}" '
-        f'height="{height}" font-family="sans-serif" font-size="12">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {VIEW_WIDTH} {height}" {size} '
+        f'font-family="sans-serif" font-size="{_FONT}" data-start="{since:.6f}" '
+        f'data-end="{until:.6f}" data-axis="{_LABEL} {_LABEL + _WIDTH}">',
         '<defs><pattern id="held" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="3" height="6" fill="{COLOURS["held"]}"/>'
         "</pattern></defs>",
-        f'<text x="4" y="16" font-weight="bold">{escape(_caption(since, until, bars))}</text>',
+        f'<text x="4" y="17" font-weight="bold">{escape(window.caption(bars))}</text>',
     ]
+    if window.note():
+        parts.append(
+            f'<text class="window" x="4" y="35" fill="#555">{escape(window.note())}</text>'
+        )
     parts += _axis(since, until, x, height)
     for key, n in rows.items():
         y = _TOP + _ROW * n
         parts.append(
-            f'<text class="key" x="{_LABEL - 6}" y="{y + 13}" text-anchor="end">'
+            f'<text class="key" x="{_LABEL - 6}" y="{y + 15}" text-anchor="end">'
             f"{escape(_clip(key))}<title>{escape(key)}</title></text>"
         )
     for bar in sorted(bars, key=lambda bar: (bar.lease.key, bar.start)):
@@ -121,7 +192,7 @@ def render_svg(bars: Sequence[Bar], since: float, until: float) -> str:
         }
         attrs = " ".join(f"{name}={quoteattr(value)}" for name, value in attributes.items())
         parts.append(
-            f'<rect {attrs} x="{left:.1f}" y="{y}" width="{width:.1f}" height="{_ROW - 4}" '
+            f'<rect {attrs} x="{left:.2f}" y="{y}" width="{width:.2f}" height="{_ROW - 4}" '
             f'fill="{fill}"><title>{escape(bar.title())}</title></rect>'
         )
     parts += _legend(height - 14)
@@ -129,15 +200,7 @@ def render_svg(bars: Sequence[Bar], since: float, until: float) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _caption(since: float, until: float, bars: Sequence[Bar]) -> str:
-    keys = len({bar.lease.key for bar in bars})
-    return (
-        f"celery-dlock leases from {local_time(since)} to {local_time(until)}: "
-        f"{len(bars)} leases on {keys} keys"
-    )
-
-
-def _clip(key: str, limit: int = 40) -> str:
+def _clip(key: str, limit: int = 32) -> str:
     return key if len(key) <= limit else "…" + key[-(limit - 1) :]
 
 
@@ -170,15 +233,18 @@ def _legend(y: int) -> list[str]:
             f'<rect x="{left}" y="{y - 10}" width="12" height="12" fill="{fill}"/>'
             f'<text x="{left + 16}" y="{y}">{escape(name)}</text>'
         )
-        left += 22 + 7 * len(name)
+        left += 22 + 8 * len(name)
     return parts
 
 
 def page(svg: str, title: str) -> str:
-    """An HTML page holding the SVG (tooltips show on hover)."""
+    """An HTML page holding a fluid SVG (tooltips show on hover); below its ``MIN_WIDTH``
+    the picture scrolls sideways in its own box."""
     return (
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8"/>'
-        f"<title>{escape(title)}</title></head><body>\n{svg}</body></html>\n"
+        '<meta name="viewport" content="width=device-width, initial-scale=1"/>'
+        f"<title>{escape(title)}</title></head><body>\n"
+        f'<div class="timeline" style="overflow-x: auto">{svg}</div></body></html>\n'
     )
 
 
@@ -211,7 +277,9 @@ def newest_matching(
 
 @click.command()
 @click.option("--key", "prefix", help="Only keys starting with this (default: the namespace).")
-@click.option("--since", type=SINCE, default="1h", show_default=True, help="From: 10m, 2h or ISO.")
+@click.option("--since", type=SINCE, default="1h", show_default=True,
+              help="From: 10m, 2h or ISO. Not given: the last hour, from just before its oldest "
+              "lease.")  # fmt: skip
 @click.option("--limit", type=click.IntRange(min=1, max=MOST), default=5000, show_default=True,
               help="At most this many released leases, the newest.")  # fmt: skip
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
@@ -226,6 +294,7 @@ def timeline(
 
     One row per key, one bar per lease from acquisition to release, coloured by outcome; a
     lease still held is hatched up to now. Hover a bar for its fence, holder and times.
+    Without --since the window starts just before the oldest lease of the last hour.
     """
     if output is None and not as_json:
         raise UsageFailure("timeline needs -o FILE.svg (or .html), or --json")
@@ -239,16 +308,23 @@ def timeline(
     records = newest_matching(backend, chosen, since=since, limit=limit)
     bars = [Bar.of(record) for record in records]
     bars += [Bar(lease, lease.acquired_at, until, "held") for lease in backend.leases(chosen)]
-    keys = len({bar.lease.key for bar in bars})
+    typed = click.get_current_context().get_parameter_source("since") != ParameterSource.DEFAULT
+    window = Window(since, until, since) if typed else Window.fit(since, until, bars)
     if output is not None:
-        svg = render_svg(bars, since, until)
-        text = page(svg, _caption(since, until, bars)) if output.suffix.lower() != ".svg" else svg
+        html = output.suffix.lower() != ".svg"
+        svg = render_svg(bars, window, fluid=html)
+        text = page(svg, window.caption(bars)) if html else svg
         try:
             output.write_text(text, encoding="utf-8")
         except OSError as exc:
             raise click.ClickException(f"cannot write {output}: {exc.strerror or exc}") from None
         if not as_json:
-            env.echo(f"wrote {output}: {len(bars)} leases on {keys} keys since {local_time(since)}")
+            keys = len({bar.lease.key for bar in bars})
+            note = f"; {window.note()}" if window.fitted else ""
+            env.echo(
+                f"wrote {output}: {len(bars)} leases on {keys} keys from "
+                f"{local_time(window.start)} to {local_time(window.end)}{note}"
+            )
     if as_json:  # the shapes of `history --json` (records) and `leases --json` (leases, now)
         env.emit_json(
             {
@@ -256,6 +332,7 @@ def timeline(
                 "prefix": chosen,
                 "since": since,
                 "now": until,
+                "window": {"start": window.start, "end": window.end, "fitted": window.fitted},
                 "output": None if output is None else str(output),
                 "records": [record_json(record) for record in records],
                 "leases": [lease_json(bar.lease, until) for bar in bars if bar.outcome == "held"],

@@ -3,7 +3,8 @@
 - ``/``: the live leases (key, holder, age, fence, expiry; gone holders marked), the history
   with filters (key prefix, outcome, problems only, time range, limit), each record's
   exception type and message, its traceback one click away, and the timeline picture of the
-  same range;
+  same range, as wide as the window (see :mod:`celery_dlock.cli.timeline`); without a
+  ``since``, the last hour from just before its oldest lease, as the command draws it;
 - ``/timeline.svg``: that picture alone (the ``timeline`` command's);
 - ``/metrics``: store-wide gauges in Prometheus's text format: leases held, the oldest
   lease's age, records by outcome in the window;
@@ -39,7 +40,7 @@ from celery_dlock.cli.render import (
     human_duration,
     local_time,
 )
-from celery_dlock.cli.timeline import COLOURS, Bar, newest_matching, render_svg
+from celery_dlock.cli.timeline import COLOURS, Bar, Window, newest_matching, render_svg
 from celery_dlock.errors import DLockError, LockKeyError
 from celery_dlock.keys import validate_key
 from celery_dlock.records import Outcome, Record
@@ -62,6 +63,13 @@ class Page:
     since: float
     until: float
     limit: int
+    since_given: bool = False  # else the picture's window is fitted to its leases
+
+    def window(self, bars: list[Bar]) -> Window:
+        """The picture's window: as given, or fitted to ``bars``."""
+        if self.since_given:
+            return Window(self.since, self.until, self.since)
+        return Window.fit(self.since, self.until, bars)
 
 
 def make_app(
@@ -99,6 +107,7 @@ def make_app(
             Bar(lease, lease.acquired_at, now, "held") for lease in leases
         ]
         csrf = request.cookies.get(_CSRF_COOKIE) or secrets.token_urlsafe(24)
+        window = page.window(bars)
         html = render_template_string(
             _TEMPLATE,
             where=where,
@@ -106,13 +115,14 @@ def make_app(
             outcomes=[o.value for o in Outcome],
             leases=[_lease_row(lease, now) for lease in leases],
             records=[_record_row(record) for record in records],
-            svg=render_svg(bars, page.since, page.until),
+            svg=render_svg(bars, window, fluid=True),
             colours=COLOURS,
-            since_text=local_time(page.since),
-            until_text=local_time(page.until),
+            since_text=local_time(window.start),
+            until_text=local_time(window.end),
+            fitted_since=local_time(window.asked) if window.fitted else "",
             releasing=release_secret is not None,
             csrf=csrf,
-            since_arg=request.args.get("since", "1h"),
+            since_arg=request.args.get("since", ""),
             until_arg=request.args.get("until", ""),
         )
         response = make_response(html)
@@ -128,7 +138,7 @@ def make_app(
         bars += [
             Bar(lease, lease.acquired_at, now, "held") for lease in backend.leases(page.prefix)
         ]
-        return Response(render_svg(bars, page.since, page.until), mimetype="image/svg+xml")
+        return Response(render_svg(bars, page.window(bars)), mimetype="image/svg+xml")
 
     @app.get("/metrics")
     def metrics() -> Response:
@@ -197,7 +207,8 @@ def _page(default_prefix: str) -> Page:
         abort(400, "problems: 1 or 0 (on/off, true/false, yes/no)")
     if problems in _YES and outcome is not None and outcome.value not in _PROBLEMS:
         abort(400, f"outcome: {outcome.value} is not a problem (problems: {', '.join(_PROBLEMS)})")
-    since = _time(args.get("since", "1h"), "since")
+    since_given = bool(args.get("since"))  # an empty field of the form is none
+    since = _time(args["since"], "since") if since_given else _time("1h", "since")
     until = _time(args["until"], "until") if args.get("until") else time.time()
     if until <= since:
         abort(400, "until must be after since")
@@ -207,7 +218,7 @@ def _page(default_prefix: str) -> Page:
         abort(400, "limit: a whole number")
     if not 1 <= limit <= MAX_LIMIT:
         abort(400, f"limit: from 1 to {MAX_LIMIT}")
-    return Page(prefix, outcome, problems in _YES, since, until, limit)
+    return Page(prefix, outcome, problems in _YES, since, until, limit, since_given)
 
 
 def _time(text: str, name: str) -> float:
@@ -310,17 +321,22 @@ def _metrics(backend: LockBackend, page: Page) -> str:
 
 _TEMPLATE = """<!DOCTYPE html>
 <html><head><meta charset="utf-8"/><title>celery-dlock: {{ where }}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1"/>
 <style>
 body { font-family: sans-serif; margin: 1em 2em; }
 table { border-collapse: collapse; margin-bottom: 1.5em; }
+/* a window narrower than a table or the picture scrolls that one sideways, not the page */
+table { display: block; max-width: 100%; overflow-x: auto; }
 td, th { border-bottom: 1px solid #ddd; padding: 3px 8px; text-align: left; font-size: 13px; }
 td.outcome { color: white; font-weight: bold; }
 .gone { color: #c62828; font-weight: bold; }
 pre { font-size: 11px; max-width: 1000px; overflow-x: auto; }
 form.filters label { margin-right: 1em; }
+#timeline { overflow-x: auto; margin-bottom: 1em; }
 </style></head><body>
 <h1>celery-dlock</h1>
-<p>Store: <code id="store">{{ where }}</code>. Window {{ since_text }} to {{ until_text }}.
+<p>Store: <code id="store">{{ where }}</code>. Window {{ since_text }} to {{ until_text }}
+{%- if fitted_since %}, fitted to the leases since {{ fitted_since }}{% endif %}.
 <a href="/metrics">/metrics</a></p>
 <h2>Held now ({{ leases|length }})</h2>
 <table id="leases"><tr><th>key</th><th>holder</th><th>age</th><th>fence</th><th>expires</th>
@@ -347,7 +363,8 @@ form.filters label { margin-right: 1em; }
 </select></label>
 <label><input type="checkbox" name="problems" value="1"
 {%- if page.problems %} checked{% endif %}/> problems only</label>
-<label>since <input name="since" value="{{ since_arg }}" size="18"/></label>
+<label>since <input name="since" value="{{ since_arg }}" size="18"
+placeholder="1h, fitted"/></label>
 <label>until <input name="until" value="{{ until_arg }}" size="18" placeholder="now"/></label>
 <label>limit <input name="limit" value="{{ page.limit }}" size="5"/></label>
 <button type="submit" id="apply">show</button></form>
