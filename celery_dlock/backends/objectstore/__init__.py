@@ -5,8 +5,8 @@ A store module (``gcs.py``, ``s3.py``) adapts one object store to :class:`Object
 clock in each response. This package owns everything else: the objects and their bodies
 (``layout.py``), expiry by the server's clock (``clock.py``), timed reads and settled
 conditional writes (``bucket.py``), the records (``history.py``), what the threads of a
-process share (``local.py``), the doctor's checks (``doctor.py``) and, here, the
-algorithm.
+process share (``local.py``), polling for ``wait`` (``polling.py``), the doctor's checks
+(``doctor.py``) and, here, the algorithm.
 
 Writes
     A lock object is written only by create-if-absent or by a swap conditional on the
@@ -36,8 +36,6 @@ Waiting
 
 from __future__ import annotations
 
-import random
-import threading
 import time
 from abc import abstractmethod
 from dataclasses import replace
@@ -63,6 +61,7 @@ from celery_dlock.backends.objectstore.clock import (
 )
 from celery_dlock.backends.objectstore.doctor import checks
 from celery_dlock.backends.objectstore.layout import Layout, LockState, Successes, us
+from celery_dlock.backends.objectstore.polling import poll
 from celery_dlock.backends.objectstore.store import (
     Found,
     ObjectStore,
@@ -86,9 +85,6 @@ __all__ = [
 
 
 _DAY = 86400.0
-#: ``wait`` polls first after this, then doubles up to the cap (jittered).
-_POLL_FIRST = 0.05
-_POLL_CAP = 1.0
 #: Attempts when a race (a swap that lost to another writer) leaves the outcome open.
 _ATTEMPTS = 4
 #: ``reap`` copies a lost record to history only if it is younger than this: older ones
@@ -213,7 +209,7 @@ class ObjectStoreBackend(LockBackend):
                 if ended is not None:
                     self._flush(ended)
                     taken_over(ended["outcome"])
-                return state.lease
+                return None if self._too_late(state) else state.lease
             # Another writer was first: judge again what is there now.
             assert other is not None
             previous, date = self.objects.decode(other, name), other.stamp.date
@@ -242,6 +238,7 @@ class ObjectStoreBackend(LockBackend):
         result: Any = None,
         *,
         own: bool = False,
+        taker: bool = False,
     ) -> Record | None:
         """Swap the lock object from ``state`` (held) to free, with the record of its lease.
 
@@ -249,7 +246,9 @@ class ObjectStoreBackend(LockBackend):
         retried on the new version; the record is returned only if our swap took effect.
         ``own``: the holder's own release. A swap of it that finds the key changed may
         follow an earlier try that landed with its answer lost: that try's record is
-        returned if it is there (``records.landed``).
+        returned if it is there (``records.landed``). ``taker``: another client ends a
+        lease it proved expired (``reap``): a renewal that landed after its read (sent
+        before the expiry) makes the lease alive again, so it is judged anew first.
         """
         name = self.layout.lock(state.key)
         for _ in range(_ATTEMPTS):
@@ -281,6 +280,9 @@ class ObjectStoreBackend(LockBackend):
             if current is None or current.lease is None or current.lease.token != lease.token:
                 self.objects.local.get().saw(name, current)
                 return records.landed(self, lease, outcome, current) if own else None
+            if taker and verdict(current.lease, self.objects.now(), found.stamp.date) != "expired":
+                self.objects.local.get().saw(name, current)
+                return None
             state = current
         return None
 
@@ -323,13 +325,23 @@ class ObjectStoreBackend(LockBackend):
             renewed = replace(state.lease, expires_at=expires_at)
             written, found = self.objects.write_state(name, state, state.key, state.fence, renewed)
             if written is not None:
-                return written.lease
+                return None if self._too_late(written) else written.lease
             assert found is not None
             current = self.objects.decode(found, name)
             if current is None or current.lease is None or current.lease.token != lease.token:
                 return None
             state = current
         return None
+
+    def _too_late(self, written: LockState) -> bool:
+        """Whether the lease just written had (maybe) expired by the time its answer came:
+        a request slowed or retried past the ttl grants nothing, since a taker may hold the
+        key already. Such a lease is ended as expired, so that its record is kept."""
+        assert written.lease is not None
+        if not maybe_expired(written.lease, self.objects.now()):
+            return False
+        self._end(written, Outcome.EXPIRED, "expired")
+        return True
 
     # -- looking -------------------------------------------------------------------------------
 
@@ -372,7 +384,7 @@ class ObjectStoreBackend(LockBackend):
                     continue
                 judged = verdict(state.lease, self.objects.now(), found.stamp.date)
             if judged == "expired":
-                record = self._end(state, Outcome.EXPIRED, "expired")
+                record = self._end(state, Outcome.EXPIRED, "expired", taker=True)
                 if record is not None:
                     reaped.append(record)
         return reaped
@@ -433,29 +445,8 @@ class ObjectStoreBackend(LockBackend):
         deadline = time.monotonic() + timeout
         name = self.layout.lock(key)
         with self.objects.local.get().waiting(name) as woken:
-            self._poll(name, deadline, woken)
+            poll(self.objects, name, deadline, woken)
         return None  # no queue: nothing to keep
-
-    def _poll(self, name: str, deadline: float, woken: threading.Event) -> None:
-        pause = _POLL_FIRST
-        while True:
-            found = self.objects.read(name)
-            state = self.objects.decode(found, name)
-            self.objects.local.get().saw(name, state)
-            if state is None or state.lease is None:
-                return
-            now = self.objects.now()
-            if verdict(state.lease, now, found.stamp.date) == "expired":
-                return
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return
-            sleep = min(remaining, pause * random.uniform(0.5, 1.0))
-            if state.lease.expires_at is not None:
-                sleep = min(sleep, max(_POLL_FIRST, state.lease.expires_at - now.low))
-            if woken.wait(sleep):
-                return
-            pause = min(_POLL_CAP, pause * 2)
 
     # -- the doctor ----------------------------------------------------------------------------
 
