@@ -2,6 +2,12 @@
 
     python bench/bench_dedupe.py [--rounds 5] [--seconds 1.0]
 
+Where the time goes (open the file in https://www.speedscope.app; under ``dedupe.send``:
+``Task.apply_async`` is Celery's send, ``Lock.attempt`` and ``_hand_over`` one script each):
+
+    py-spy record -r 500 --format speedscope -o /tmp/dedupe.json -- \\
+        python bench/bench_dedupe.py --rounds 3
+
 One Celery app on a Redis broker (db 6; nobody consumes: only the producer is measured), the
 marks in Redis (db 7), interleaved round by round (``benchlib``):
 
