@@ -15,7 +15,8 @@ Writes
     fence. Release swaps the object to ``free``, keeping its fence; the next fence is the
     stored fence + 1, so fences strictly increase. A write whose answer was lost (timeout,
     reset, or a 412 on the client library's own retry of a write that had landed) is
-    settled by reading the object back and comparing the body's write nonce.
+    settled by reading the object back and comparing the body's write nonce; an acquire
+    whose write stays unsettled has its lease, if it landed, ended later (``doubts.py``).
 
 Records
     The record of a lease that ends is written into the lock object by the same swap that
@@ -60,6 +61,7 @@ from celery_dlock.backends.objectstore.clock import (
     verdict,
 )
 from celery_dlock.backends.objectstore.doctor import checks
+from celery_dlock.backends.objectstore.doubts import Doubts
 from celery_dlock.backends.objectstore.layout import Layout, LockState, Successes, us
 from celery_dlock.backends.objectstore.polling import poll
 from celery_dlock.backends.objectstore.store import (
@@ -138,6 +140,8 @@ class ObjectStoreBackend(LockBackend):
             probe=self.layout.probe,
             floor=self.layout.floor,
         )
+        #: Acquires of this process whose outcome is unknown: settled at the next call.
+        self.doubts = Doubts(self.objects, self.layout)
 
     @abstractmethod
     def _open_store(self) -> ObjectStore:
@@ -169,6 +173,7 @@ class ObjectStoreBackend(LockBackend):
         place: Place | None = None,
     ) -> Lease | None:
         ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
+        self.doubts.settle(self._end)
         name = self.layout.lock(key)
         with self.objects.local.get().stripe(name):
             return self._attempt(name, key, holder, ttl, replace)
@@ -204,12 +209,15 @@ class ObjectStoreBackend(LockBackend):
             ended = None if record is None else record.to_dict()
             if ended is not None and previous is not None and previous.ended is not None:
                 records.keep(self, previous)  # its ended, replaced below: in history first
-            state, other = self.objects.write_state(name, previous, key, fence, lease, ended=ended)
-            if state is not None:
-                if ended is not None:
-                    self._flush(ended)
-                    taken_over(ended["outcome"])
-                return None if self._too_late(state) else state.lease
+            with self.doubts.unanswered(key, lease.token):
+                state, other = self.objects.write_state(
+                    name, previous, key, fence, lease, ended=ended
+                )
+                if state is not None:
+                    if ended is not None:
+                        self._flush(ended)
+                        taken_over(ended["outcome"])
+                    return None if self._too_late(state) else state.lease
             # Another writer was first: judge again what is there now.
             assert other is not None
             previous, date = self.objects.decode(other, name), other.stamp.date
@@ -294,6 +302,7 @@ class ObjectStoreBackend(LockBackend):
         details: str | None = None,
         result: Any = None,
     ) -> Record | None:
+        self.doubts.settle(self._end)
         state = self._ours(lease)
         if state is None or state.lease is None:
             return None
@@ -310,6 +319,7 @@ class ObjectStoreBackend(LockBackend):
         return self._prolong(lease, hand_over_ttl(ttl), longer=True)
 
     def _prolong(self, lease: Lease, ttl: float | None, longer: bool = False) -> Lease | None:
+        self.doubts.settle(self._end)
         state = self._ours(lease)
         name = self.layout.lock(lease.key)
         for _ in range(_ATTEMPTS):
