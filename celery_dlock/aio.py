@@ -26,6 +26,7 @@ holds the AsyncLock weakly: one dropped while held lets go of its lease, as a ``
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import random
@@ -273,7 +274,8 @@ class AsyncLock:
             or remembered(outcome, result, lease.holder.task_name) is not None
         ):
             # A success that ``once`` keeps is stored with retries: Lock's, in the pool.
-            return await offload(_released, self._lock, reported, outcome, problem, details, result)
+            release = functools.partial(self._lock.release, reported=reported)
+            return await offload(release, outcome, problem, details, result)
         ending = self._lock.ending(outcome, problem, details, result)._replace(reported=reported)
         lease = ending.lease
         started = time.perf_counter()
@@ -431,14 +433,6 @@ class AsyncLock:
 
 def _leave(place: Place) -> None:
     place.leave()
-
-
-def _released(lock: Lock, reported: bool, *how: Any) -> Record | None:
-    """``lock.release(*how)``; ``reported``: the loss was, by this AsyncLock's renewal."""
-    ending = lock.ending(*how)._replace(reported=reported)
-    if remembered(ending.outcome, ending.result, ending.lease.holder.task_name) is None:
-        return releasing.release(lock.backend, ending)
-    return releasing.release_success(lock.backend, ending, lock.success_retry)
 
 
 async def _renewing(ref: weakref.ref[AsyncLock], ttl: float) -> None:

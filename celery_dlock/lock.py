@@ -318,8 +318,11 @@ class Lock:
         problem: str | None = None,
         details: str | None = None,
         result: Any = None,
+        *,
+        reported: bool = False,
     ) -> Record | None:
-        """Release the lease and record how it ended.
+        """Release the lease and record how it ended (``reported``: its loss, if it was
+        lost, was reported already by its caller, as an AsyncLock's renewal does).
 
         A lease lost meanwhile is recorded ``lost``, with the outcome it could not record
         in the record's details; a success with a result (a ``once`` task's) is kept all
@@ -336,6 +339,8 @@ class Lock:
                 ``success_retry`` seconds).
         """
         ending = self.ending(outcome, problem, details, result)
+        if reported:
+            ending = ending._replace(reported=True)
         if remembered(ending.outcome, result, ending.lease.holder.task_name) is None:
             return releasing.release(self.backend, ending)
         return releasing.release_success(self.backend, ending, self.success_retry)

@@ -26,6 +26,24 @@ def outcomes(store: MemoryBackend, key: str) -> list[Outcome]:
     return [record.outcome for record in reversed(store.history(key=key))]
 
 
+def embedded_app(name: str, store_url: str | None = None, **conf: object) -> Celery:
+    """An app of one test, for :func:`embedded_worker`: the memory broker (one per process)
+    with a queue of its own, since the session's embedded worker consumes the default one;
+    results in memory; its locks in ``store_url``. ``conf`` adds to or overrides these."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(
+        {
+            "broker_url": "memory://",
+            "task_default_queue": f"{name}-{uuid.uuid4().hex[:8]}",
+            "broker_transport_options": {"polling_interval": 0.02},
+            "result_backend": "cache+memory://",
+            **({} if store_url is None else {"dlock_backend": store_url}),
+            **conf,
+        }
+    )
+    return app
+
+
 @contextmanager
 def embedded_worker(
     app: Celery, pool: str = "solo", concurrency: int = 1, shutdown_timeout: float = 10.0

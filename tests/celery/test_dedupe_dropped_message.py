@@ -20,22 +20,14 @@ from celery_dlock import LockedTask, Outcome, backend_from_url, install
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.dedupe import mark_key
 from celery_dlock.celery.settings import forget_settings
-from tests.celery.support import embedded_worker
+from tests.celery.support import embedded_app, embedded_worker
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
 
 def app_of(name: str, queue: str, url: str) -> Celery:
-    app = Celery(name, set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        task_default_queue=queue,
-        broker_transport_options={"polling_interval": 0.02},
-        result_backend="cache+memory://",
-        dlock_backend=url,
-        worker_hijack_root_logger=False,
-    )
+    app = embedded_app(name, url, task_default_queue=queue, worker_hijack_root_logger=False)
     install(app, janitor=False)
     return app
 

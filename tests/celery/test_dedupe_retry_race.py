@@ -29,7 +29,7 @@ from celery_dlock import LockedTask, Outcome
 from celery_dlock.celery.dedupe import EXPIRY_GRACE, mark_key
 from celery_dlock.celery.settings import backend_for, forget_settings
 from celery_dlock.process import release_all
-from tests.celery.support import embedded_worker
+from tests.celery.support import embedded_app, embedded_worker
 
 pytestmark = pytest.mark.slow
 
@@ -47,15 +47,9 @@ def app(lock_url: str) -> Iterator[Celery]:
     so that no later test of this process finds them among its own."""
     if lock_url.startswith("postgres"):
         lock_url += f"&application_name=dedupe-{uuid.uuid4().hex[:8]}"
-    app = Celery("dedupe-retry-race", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        # A queue of its own: the memory broker is one per process, and the embedded
-        # worker of other tests (conftest's app) consumes the default queue.
-        task_default_queue=f"dedupe-retry-race-{uuid.uuid4().hex[:8]}",
-        broker_transport_options={"polling_interval": 0.02},
-        result_backend="cache+memory://",
-        dlock_backend=lock_url,
+    app = embedded_app(
+        "dedupe-retry-race",
+        lock_url,
         dlock_dedupe_ttl=DEDUPE_TTL,
         worker_hijack_root_logger=False,
     )

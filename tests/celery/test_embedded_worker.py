@@ -4,25 +4,17 @@ every worker of the process as it stops, which timed out the next tests of the p
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 import pytest
-from celery import Celery
 from celery.bootsteps import RUN
 
 from tests.celery import embedded_tasks as tasks
-from tests.celery.support import embedded_worker, new_run
+from tests.celery.support import embedded_app, embedded_worker, new_run
 
 
 def test_a_tests_own_worker_runs_its_tasks_and_stops_alone(app: Any) -> None:
-    own = Celery("own-worker", set_as_current=False)
-    own.conf.update(
-        broker_url="memory://",
-        task_default_queue=f"own-worker-{uuid.uuid4().hex[:8]}",
-        broker_transport_options={"polling_interval": 0.02},
-        result_backend="cache+memory://",
-    )
+    own = embedded_app("own-worker")
 
     @own.task(shared=False)
     def double(n: int) -> int:

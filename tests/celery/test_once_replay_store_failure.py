@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
 
 from celery_dlock import (
     AlreadySucceededError,
@@ -31,7 +30,7 @@ from celery_dlock import (
     backend_from_url,
     install,
 )
-from tests.celery.support import embedded_worker
+from tests.celery.support import embedded_app, embedded_worker
 from tests.support import eventually
 from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin, with_options
 
@@ -68,14 +67,7 @@ def store(schema: str) -> Iterator[Any]:
 
 @pytest.fixture
 def charge(schema: str) -> Iterator[Any]:
-    app = Celery("once_replay", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        broker_transport_options={"polling_interval": 0.02},
-        result_backend="cache+memory://",
-        task_default_queue=f"once-replay-{schema}",
-        dlock_backend=with_options(POSTGRES_URL, schema=schema),
-    )
+    app = embedded_app("once-replay", with_options(POSTGRES_URL, schema=schema))
     install(app, janitor=False)
 
     @app.task(

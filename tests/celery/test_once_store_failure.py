@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
 
 from celery_dlock import LockedTask, Outcome, backend_from_url, install
-from tests.celery.support import embedded_worker
+from tests.celery.support import embedded_app, embedded_worker
 from tests.support import eventually, unavailable
 
 BASE = "postgresql://postgres@127.0.0.1:5432/test"
@@ -43,14 +42,7 @@ def schema() -> Iterator[str]:
 
 @pytest.fixture
 def charge(schema: str) -> Iterator[Any]:
-    app = Celery("probe_once", set_as_current=False)
-    app.conf.update(
-        broker_url="memory://",
-        broker_transport_options={"polling_interval": 0.02},
-        result_backend="cache+memory://",
-        task_default_queue=f"probe-once-{schema}",
-        dlock_backend=f"{BASE}?schema={schema}",
-    )
+    app = embedded_app("probe-once", f"{BASE}?schema={schema}")
     install(app, janitor=False)
 
     @app.task(

@@ -76,6 +76,8 @@ class Doubts:
         """End the leases of the doubtful acquires that landed (by token) and forget each
         once its key was read; stop at the first the store does not answer (the caller's
         own request then fails, with its own error, or gets through)."""
+        if not self._pending.get().items:  # the usual case, on every call: no lock taken
+            return
         for key, token in self.pending():
             try:
                 self._settle(key, token, end)
