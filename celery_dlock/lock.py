@@ -78,19 +78,16 @@ class Lock:
     """A lock on one key of one backend.
 
     Args:
-        backend: a :class:`LockBackend`, or a URL (one backend per URL is shared in the
-            process).
+        backend: a :class:`LockBackend`, or a URL (one shared backend per URL).
         key: the full key, e.g. ``job:report:daily``.
         ttl: seconds a lease lives without renewal; None for the store's ``default_ttl``:
             no expiry (liveness is then the holder's connection or process, where the
             backend has one), or the lease length of a store that needs one.
         wait: seconds :meth:`acquire` waits for a busy key; 0 = do not wait, None = no limit.
         holder: who holds; by default this process, with a fresh nonce per acquisition.
-        renew: renew the lease from a background thread every ``ttl / 3`` while held
-            (default: when ``ttl`` is set).
+        renew: renew from a background thread every ``ttl / 3`` while held (default: with a ttl).
         on_lost: called from a background thread when the lease is lost: a renewal found it
-            gone, or (leases without ``ttl`` on a store whose liveness is a session) the
-            holder's session ended.
+            gone, or (no ``ttl``, a store whose liveness is a session) its session ended.
         limit: at most this many holders at once (a semaphore): each holds one of
             ``limit`` slots, the keys ``key#0`` .. ``key#<limit-1>``, with a lease, token
             and fence of its own; slots are tried in a random order, and a waiter is woken
@@ -321,8 +318,7 @@ class Lock:
         *,
         reported: bool = False,
     ) -> Record | None:
-        """Release the lease and record how it ended (``reported``: its loss, if it was
-        lost, was reported already by its caller, as an AsyncLock's renewal does).
+        """Release the lease and record how it ended.
 
         A lease lost meanwhile is recorded ``lost``, with the outcome it could not record
         in the record's details; a success with a result (a ``once`` task's) is kept all
@@ -332,15 +328,15 @@ class Lock:
 
         Returns:
             the record, or None if the lease had been lost (logged as ``lost``: an error,
-            or a warning when the loss was reported already while the lease was held).
+            or a warning when the loss was reported already while the lease was held, by the
+            Lock or, ``reported``, by its caller: an AsyncLock's renewal).
 
         Raises:
             BackendError: the store failed (for a success: still failing after
                 ``success_retry`` seconds).
         """
         ending = self.ending(outcome, problem, details, result)
-        if reported:
-            ending = ending._replace(reported=True)
+        ending = ending._replace(reported=True) if reported else ending
         if remembered(ending.outcome, result, ending.lease.holder.task_name) is None:
             return releasing.release(self.backend, ending)
         return releasing.release_success(self.backend, ending, self.success_retry)
