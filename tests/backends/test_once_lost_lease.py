@@ -87,22 +87,21 @@ def test_a_success_after_a_lost_lease_is_kept_and_the_duplicate_replays_it(
     ttl = None if backend.capabilities.liveness == "session" else TTL
     namespace = f"lost{uuid.uuid4().hex[:8]}"
     key = f"{namespace}:order:42"
-    first = subprocess.Popen(
+    with subprocess.Popen(  # the pipes are closed on the way out, whatever failed
         runner(store.url, namespace, tmp_path, "42", ttl=ttl, hold=True),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        eventually((tmp_path / "held").exists, "the body runs", timeout=60)
-        held = json.loads((tmp_path / "held").read_text())
-        lose_lease(store, first, held)
-        (tmp_path / "go").touch()
-        charged = result_of(first)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+    ) as first:
+        try:
+            eventually((tmp_path / "held").exists, "the body runs", timeout=60)
+            held = json.loads((tmp_path / "held").read_text())
+            lose_lease(store, first, held)
+            (tmp_path / "go").touch()
+            charged = result_of(first)
+        finally:
+            if first.poll() is None:
+                first.kill()
 
     # The lease was lost: the release says so in the history, naming what it could not record.
     lost = [r for r in backend.history(key=key, limit=None) if r.lease.token == held["token"]]

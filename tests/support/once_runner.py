@@ -50,7 +50,9 @@ def main() -> None:
         with open(args.dir / "runs", "a") as f:
             f.write(json.dumps(seen) + "\n")
         if args.hold:
-            (args.dir / "held").write_text(json.dumps(seen))
+            # whole or absent: the test polls for the file and reads it at once
+            (args.dir / "held.part").write_text(json.dumps(seen))
+            os.replace(args.dir / "held.part", args.dir / "held")
             while not (args.dir / "go").exists():
                 time.sleep(0.02)
         return {"order": order, **seen}
