@@ -87,7 +87,7 @@ def hold(url: str, key: str, ready: Path, go: Path) -> None:
         except (LockNotAcquiredError, BackendError):
             continue
     acquired = time.time()
-    ready.write_text(json.dumps({**lease.to_dict(), "acquired": acquired}))
+    whole(ready, {**lease.to_dict(), "acquired": acquired})
     while not go.exists():
         time.sleep(0.01)
     releasing = time.time()
@@ -95,11 +95,18 @@ def hold(url: str, key: str, ready: Path, go: Path) -> None:
         result = "ok" if lock.release() is not None else "lost"
     except BackendError as exc:
         result = f"error: {exc}"
-    Path(f"{go}.result").write_text(json.dumps({"result": result, "released": releasing}))
+    whole(Path(f"{go}.result"), {"result": result, "released": releasing})
     backend.close()
 
 
 # -- the test -------------------------------------------------------------------------------
+
+
+def whole(path: Path, value: dict[str, Any]) -> None:
+    """Write ``value`` to ``path`` whole or not at all: the test polls for the file."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(value))
+    os.replace(part, path)
 
 
 def lines(path: Path) -> list[dict[str, Any]]:
