@@ -373,8 +373,7 @@ class AsyncLock:
         if lease is None or self.lost:
             return
         self._lost = True
-        if self._lock._unwatch is not None:  # Lock's own watch (it has no renewer)
-            self._lock._unwatch()
+        self._lock.stop_watching()  # Lock's own watch (it has no renewer)
         report_lost(lease, self._call_on_lost, backend=self.backend.url)
 
     def _lost_elsewhere(self, lease: Lease) -> None:

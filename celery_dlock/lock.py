@@ -36,13 +36,12 @@ from celery_dlock.records import (
     Outcome,
     Record,
     check_metadata,
-    describe_exception,
     new_token,
 )
-from celery_dlock.releasing import Ending
+from celery_dlock.releasing import Ending, end_block
 from celery_dlock.renewal import Renewer, report_lost
 
-__all__ = ["DEFAULT", "Lock", "end_block", "validate_limit", "validate_wait"]
+__all__ = ["DEFAULT", "Lock", "validate_limit", "validate_wait"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -290,6 +289,13 @@ class Lock:
         why = f" (its session ended, or it was ended by its token) [{mask_url(self.backend.url)}]"
         report_lost(lease, self.on_lost, why, backend=self.backend.url)
 
+    def stop_watching(self) -> None:
+        """Stop the store's watch of the held lease's session: its loss is known already
+        (an AsyncLock's renewal found it), and the watcher is not to report it again."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+
     def renew(self, ttl: float | Literal[_Default.DEFAULT] | None = DEFAULT) -> Lease:
         """Extend the lease to ``ttl`` seconds from now (default: the lock's ``ttl``).
 
@@ -468,13 +474,3 @@ class Lock:
         state = "held" if self._lease is not None else "free"
         return f"<Lock {self.key!r} {state} on {self.backend!r}>"
 
-
-def end_block(release: Callable[..., Any], first: Lease, exc: BaseException | None) -> None:
-    """The end of a ``with`` block over a lock: ``succeeded``, or ``failed`` with the
-    exception's type, message and traceback; a lease lost meanwhile raises LockLostError
-    (naming ``first``) unless the block raised already."""
-    if exc is not None:
-        problem, details = describe_exception(exc)
-        release(Outcome.FAILED, problem, details)
-    elif release(Outcome.SUCCEEDED) is None:
-        raise LockLostError(first.key, first.fence, "release")

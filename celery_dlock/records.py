@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any
 
+from celery_dlock.identity import identity, process_gone
 from celery_dlock.tokens import new_token
 
 __all__ = [
@@ -30,8 +30,6 @@ __all__ = [
     "check_metadata",
     "describe_exception",
     "new_token",
-    "portable_forced",
-    "portable_identity",
     "truncate_utf8",
 ]
 
@@ -60,96 +58,6 @@ class Outcome(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-@lru_cache(maxsize=1)
-def _ticks_per_second() -> int:
-    return os.sysconf("SC_CLK_TCK")
-
-
-def process_start(pid: int) -> float | None:
-    """The start time of process ``pid`` in seconds since boot, or None if there is no such
-    live process (none at all, a zombie, or no ``/proc``).
-
-    Seconds since boot, not since the epoch: ``/proc/stat``'s boot time moves when the wall
-    clock is stepped, which would make a live process look like a recycled pid.
-    """
-    state = _process_state(pid)
-    return None if state is None or state[0] in "ZX" else state[1]
-
-
-def _process_state(pid: int) -> tuple[str, float] | None:
-    """``(state letter, start in seconds since boot)`` of ``pid`` from ``/proc``, or None."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Fields count from the end of the command name, which may itself hold spaces or ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return fields[0].decode(), int(fields[19]) / _ticks_per_second()
-
-
-@lru_cache(maxsize=1)
-def _host_id() -> str:
-    """Which kernel boot and pid namespace our pids belong to ('' where unknown)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-    return f"{boot}/{namespace}"
-
-
-#: ``host_id`` prefix of a holder identified through psutil, where there is no ``/proc``
-#: (macOS, the BSDs; the file store's ``portable`` mode).
-PORTABLE = "psutil:"
-#: Seconds by which a live process's start time, read through psutil, may differ between
-#: two reads (its clock ticks): beyond this the pid belongs to another process.
-_START_TOLERANCE = 1.0
-
-
-@lru_cache(maxsize=1)
-def _portable_host_id() -> str:
-    """This host and boot through psutil (a wall clock stepped by a second or more changes
-    it, and holders then read as another host's: never judged gone); '' without psutil."""
-    try:
-        import psutil  # optional: for the file store without /proc
-    except ImportError:
-        return ""
-    return f"{PORTABLE}{socket.gethostname()}/{int(psutil.boot_time())}"
-
-
-def portable_identity(pid: int) -> tuple[float | None, str]:
-    """``(start time, host id)`` of process ``pid`` through psutil, for the file store's
-    portable mode; ``(None, "")`` (a holder never judged gone) without psutil."""
-    host_id = _portable_host_id()
-    if not host_id:
-        return None, ""
-    import psutil
-
-    try:
-        return psutil.Process(pid).create_time(), host_id
-    except psutil.Error:
-        return None, host_id
-
-
-def _portable_gone(holder: Holder) -> bool:
-    if holder.host_id != _portable_host_id():
-        return False
-    import psutil
-
-    try:
-        process = psutil.Process(holder.pid)
-        if process.status() == psutil.STATUS_ZOMBIE:
-            return True
-        started = process.create_time()
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False  # cannot tell: alive
-    return holder.started is not None and abs(started - holder.started) > _START_TOLERANCE
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +96,7 @@ class Holder:
                 bytes.
         """
         pid = os.getpid()
-        host, started, host_id = _identity(pid)
+        host, started, host_id = identity(pid)
         nonce = os.urandom(8).hex()
         # By position: a quarter cheaper than by keyword, and made at every acquire.
         return cls(
@@ -196,22 +104,15 @@ class Holder:
         )
 
     def is_gone(self) -> bool:
-        """True only when this holder's process provably no longer exists.
+        """True only when this holder's process provably no longer exists (see
+        :func:`celery_dlock.identity.process_gone`; anything we cannot check is alive)."""
+        return process_gone(self.pid, self.started, self.host_id)
 
-        That needs the same kernel and pid namespace as ours; then the pid must be free or
-        belong to a process with another start time. Anything we cannot check is alive.
-        """
-        if self.host_id.startswith(PORTABLE):
-            return _portable_gone(self)
-        if not self.host_id or self.host_id != _host_id():
-            return False
-        state = _process_state(self.pid)
-        if state is None:
-            return not _pid_exists(self.pid)
-        letter, started = state
-        if letter in "ZX":  # dead, only waiting for its parent to collect it
-            return True
-        return self.started is not None and started != self.started
+    def gone_because(self) -> str | None:
+        """Why this holder is gone (:meth:`is_gone`): ``process ended``; or None while it
+        may live. A store that judges its holders itself says its own reason (Postgres:
+        ``lock session ended``)."""
+        return "process ended" if self.is_gone() else None
 
     def describe(self) -> str:
         """``task_name[task_id] on worker (pid N on host)``, ``task_name (pid N on host)``
@@ -309,33 +210,6 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any] | None:
         )
     loaded: dict[str, Any] = json.loads(text)  # a copy: later changes by the caller stay out
     return loaded
-
-
-@lru_cache(maxsize=4)
-def _identity(pid: int) -> tuple[str, float | None, str]:
-    """Host name, start time and host id of our own process (cached per pid: forks differ):
-    from /proc, or through psutil where there is none (or ``CELERY_DLOCK_PORTABLE=1``)."""
-    host_id = "" if portable_forced() else _host_id()
-    if host_id:
-        return socket.gethostname(), process_start(pid), host_id
-    started, host_id = portable_identity(pid)
-    return socket.gethostname(), started, host_id
-
-
-def portable_forced() -> bool:
-    """``CELERY_DLOCK_PORTABLE=1``: behave as where there is no /proc, inotify or pidfd (for
-    testing the portable path on Linux)."""
-    return os.environ.get("CELERY_DLOCK_PORTABLE") == "1"
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass(frozen=True, slots=True)

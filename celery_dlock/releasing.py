@@ -13,16 +13,24 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from celery_dlock import metrics
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import LockBackend, remembered
-from celery_dlock.errors import BackendError, ConfigurationError
+from celery_dlock.errors import BackendError, ConfigurationError, LockLostError
 from celery_dlock.events import fields
-from celery_dlock.records import DETAILS_LIMIT, Lease, Outcome, Record, truncate_utf8
+from celery_dlock.records import (
+    DETAILS_LIMIT,
+    Lease,
+    Outcome,
+    Record,
+    describe_exception,
+    truncate_utf8,
+)
 
-__all__ = ["Ending", "Unsettled", "release", "release_success", "settle", "unsettled"]
+__all__ = ["Ending", "Unsettled", "end_block", "release", "release_success", "settle", "unsettled"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -282,3 +290,14 @@ def _keep(backend: LockBackend, success: Record) -> str:
         return "; its success is kept for once"
     fence = "?" if kept is None else kept.lease.fence
     return f"; the success of fence {fence}, kept before it, stays (first wins)"
+
+
+def end_block(release: Callable[..., Any], first: Lease, exc: BaseException | None) -> None:
+    """The end of a ``with`` block over a lock: ``succeeded``, or ``failed`` with the
+    exception's type, message and traceback; a lease lost meanwhile raises LockLostError
+    (naming ``first``) unless the block raised already."""
+    if exc is not None:
+        problem, details = describe_exception(exc)
+        release(Outcome.FAILED, problem, details)
+    elif release(Outcome.SUCCEEDED) is None:
+        raise LockLostError(first.key, first.fence, "release")

@@ -97,11 +97,11 @@ def leases(env: Env, prefix: str | None, all_keys: bool, as_json: bool) -> None:
     """List current leases.
 
     Shows the leases whose key starts with PREFIX (default: the namespace, 'job:'): key,
-    holder, age, fence, expires (in N s / never / EXPIRED). A holder marked [gone] is a
-    process of this host that no longer exists, or (PostgreSQL, any host) one whose lock
-    session ended, marked [gone] (lock session ended): `reap` clears its lease (where leases
-    live by their ttl, as on Redis, once it expires). [queued message]
-    marks a dedupe mark, held for its message until its ttl whatever became of its producer.
+    holder, age, fence, expires (in N s / never / EXPIRED). A holder marked [gone]
+    (process ended) is a process of this host that no longer exists; [gone] (lock session
+    ended), on PostgreSQL, one of any host whose lock session ended: `reap` clears its lease
+    (where leases live by their ttl, as on Redis, once it expires). [queued message] marks
+    a dedupe mark, held for its message until its ttl whatever became of its producer.
     """
     if prefix is not None and all_keys:
         raise UsageFailure("give a PREFIX or --all, not both")

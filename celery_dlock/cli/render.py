@@ -239,34 +239,23 @@ def holder_gone(lease: Lease) -> bool:
     return not for_queued_message(lease) and lease.holder.is_gone()
 
 
-def _found_by_store(lease: Lease) -> str | None:
-    """Why the store found ``lease``'s holder gone, where it judges holders itself: its own
-    Holder subclass says so (``postgres.rows.SessionEndedHolder``: ``lock session ended``)."""
-    because = getattr(lease.holder, "gone_because", None)
-    return because if isinstance(because, str) else None
-
-
 def gone_because(lease: Lease) -> str | None:
-    """Why ``lease``'s holder is gone (:func:`holder_gone`), or None while it may live: what
-    the store found (Postgres: ``lock session ended``, for a holder of any host), else
-    ``process ended`` (a process of this host)."""
-    if not holder_gone(lease):
-        return None
-    return _found_by_store(lease) or "process ended"
+    """Why ``lease``'s holder is gone (:func:`holder_gone`), or None while it may live:
+    ``Holder.gone_because``, what the store found (Postgres: ``lock session ended``, for a
+    holder of any host) or ``process ended`` (a process of this host)."""
+    return None if for_queued_message(lease) else lease.holder.gone_because()
 
 
 def holder_text(lease: Lease) -> str:
-    """The holder's description, marked ``[gone]`` when it is provably dead (a process of
-    this host that no longer exists; ``[gone] (lock session ended)`` where the store found
-    its session ended), or ``[queued message]`` for a dedupe mark, which lives by its ttl
-    for its message whatever became of the producer named."""
+    """The holder's description, marked ``[gone] (process ended)`` when it is provably dead
+    (a process of this host that no longer exists; ``[gone] (lock session ended)`` where the
+    store found its session ended), or ``[queued message]`` for a dedupe mark, which lives
+    by its ttl for its message whatever became of the producer named."""
     text = lease.holder.describe()
     if for_queued_message(lease):
         return f"{text} [queued message]"
-    if not holder_gone(lease):
-        return text
-    because = _found_by_store(lease)
-    return f"{text} [gone]" if because is None else f"{text} [gone] ({because})"
+    because = lease.holder.gone_because()
+    return text if because is None else f"{text} [gone] ({because})"
 
 
 #: Characters of a lease's metadata shown in a table cell (``--json`` has all of it).

@@ -352,16 +352,16 @@ def test_windows_gets_an_error_naming_the_stores_it_can_use(
 def test_without_proc_the_portable_mode_is_the_default_and_identifies_by_psutil(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from celery_dlock import records
+    from celery_dlock import identity
 
     pytest.importorskip("psutil")
     monkeypatch.setenv("CELERY_DLOCK_PORTABLE", "1")  # as on macOS: no /proc, inotify, pidfd
-    records._identity.cache_clear()
+    identity.identity.cache_clear()
     try:
         backend = FileBackend(str(tmp_path / "locks"))
         assert backend.portable
         me = Holder.current()
-        assert me.host_id.startswith(records.PORTABLE) and me.started is not None
+        assert me.host_id.startswith(identity.PORTABLE) and me.started is not None
         assert not me.is_gone()
         lease = backend.try_acquire("job:portable", me, None)
         assert lease is not None and lease.holder == me
@@ -376,7 +376,7 @@ def test_without_proc_the_portable_mode_is_the_default_and_identifies_by_psutil(
         assert dataclasses.replace(me, started=me.started - 5).is_gone()  # a recycled pid
         backend.release(lease, Outcome.SUCCEEDED)
     finally:
-        records._identity.cache_clear()
+        identity.identity.cache_clear()
 
 
 def fill(disk: Path) -> Path:

@@ -91,7 +91,8 @@ from celery_dlock.backends.file.wakeups import Inotify, watch_holder
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.events import fields
-from celery_dlock.records import Holder, Lease, Outcome, Record, new_token, portable_forced
+from celery_dlock.identity import portable_forced
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["FileBackend"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, ClassVar
+from typing import Any
 
 from psycopg.types.numeric import Int8
 
@@ -36,11 +36,11 @@ class SessionEndedHolder(Holder):
     cut off, alive on another host), as the next ``try_acquire`` or ``reap`` will find.
     Only ``get`` and ``leases`` give one; equal to no plain :class:`Holder`."""
 
-    #: Why it is gone, for the listings (``celery dlock leases``, the page).
-    gone_because: ClassVar[str] = "lock session ended"
-
     def is_gone(self) -> bool:
         return True
+
+    def gone_because(self) -> str:
+        return "lock session ended"
 
 
 def lease(row: Any) -> Lease:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_dlock import records
+from celery_dlock import identity
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.records import Holder
 from celery_dlock.testing import FakeClock
@@ -25,8 +25,8 @@ def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Store
     pytest.importorskip("psutil", reason="the portable file store needs psutil")
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("CELERY_DLOCK_PORTABLE", "1")
-    records._identity.cache_clear()
-    assert Holder.current().host_id.startswith(records.PORTABLE)
+    identity.identity.cache_clear()
+    assert Holder.current().host_id.startswith(identity.PORTABLE)
     clock = FakeClock()
     directory = tmp_path / "locks"
     backend = FileBackend(str(directory), clock=clock, portable=True)
@@ -40,4 +40,4 @@ def open_store(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Store
         )
     finally:
         monkeypatch.undo()
-        records._identity.cache_clear()
+        identity.identity.cache_clear()
