@@ -10,7 +10,7 @@ from celery import Celery
 from celery import signals as celery_signals
 
 from celery_dlock.celery.settings import backend_for, forget_settings, settings
-from celery_dlock.reap import JANITOR_TASK, reap
+from celery_dlock.reap import JANITOR_QUIET, JANITOR_TASK, reap
 
 __all__ = ["register"]
 
@@ -24,10 +24,14 @@ def register(app: Celery) -> Any:
 
     @app.task(name=JANITOR_TASK, ignore_result=False, shared=False)  # type: ignore[untyped-decorator]
     def janitor() -> dict[str, int]:
-        """Reap leases whose holder is gone and prune history past retention."""
+        """Reap leases whose holder is gone and prune history past retention; a run with
+        nothing to do is recorded once an hour (``reap``'s ``quiet_for``)."""
         current = settings(app)
         return reap(
-            backend_for(app), namespace=current.namespace, retention=current.history_retention
+            backend_for(app),
+            namespace=current.namespace,
+            retention=current.history_retention,
+            quiet_for=JANITOR_QUIET,
         )
 
     def add_entry(sender: Any = None, **_: Any) -> None:

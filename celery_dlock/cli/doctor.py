@@ -18,7 +18,7 @@ from celery_dlock.backends.base import Diagnosable, server_time
 from celery_dlock.cli.commands import JSON, store_now
 from celery_dlock.cli.env import Env, failure_text, guarded
 from celery_dlock.cli.render import DURATION, human_duration, local_time, table
-from celery_dlock.reap import janitor_key
+from celery_dlock.reap import JANITOR_QUIET, janitor_key
 from celery_dlock.records import Outcome
 
 __all__ = ["SKEW_FAIL", "SKEW_WARN", "Finding", "doctor"]
@@ -26,7 +26,8 @@ __all__ = ["SKEW_FAIL", "SKEW_WARN", "Finding", "doctor"]
 #: Clock skew (seconds) past which the doctor warns, and fails.
 SKEW_WARN = 1.0
 SKEW_FAIL = 30.0
-#: The janitor is late when its last run is older than this many intervals.
+#: The janitor is late when its last recorded run is older than this many intervals past
+#: the hour (``JANITOR_QUIET``) in which a run with nothing to do goes unrecorded.
 JANITOR_LATE = 3
 #: Seconds after which a failed connect is taken for a store that did not answer (the
 #: drivers' connect timeouts: 10 s for Postgres, 15 s for Redis): its own checks, which
@@ -140,10 +141,14 @@ def _janitor(env: Env, interval: float | None) -> Finding:
         first_line = (last.details or "").split("\n", 1)[0]
         return Finding("janitor", "warn", f"{when} and failed: {last.problem}: {first_line}{busy}")
     counts = last.result if isinstance(last.result, dict) else {}
-    summary = ", ".join(f"{name} {value}" for name, value in counts.items() if name != "skipped")
+    shown = (name for name in counts if name not in ("skipped", "quiet"))
+    summary = ", ".join(f"{name} {counts[name]}" for name in shown)
     detail = f"{when}: {summary or 'no counts'}{busy}"
-    if interval is not None and age > JANITOR_LATE * interval:
-        late = f"more than {JANITOR_LATE} × its {human_duration(interval)} interval"
+    if interval is not None and age > JANITOR_QUIET + JANITOR_LATE * interval:
+        late = (
+            f"more than {human_duration(JANITOR_QUIET)} (a run with nothing to do is "
+            f"recorded hourly) and {JANITOR_LATE} × its {human_duration(interval)} interval"
+        )
         return Finding("janitor", "warn", f"{detail}; {late}: is celery beat running?")
     return Finding("janitor", "ok", detail)
 
@@ -180,7 +185,8 @@ def run_checks(env: Env, interval: float | None) -> list[Finding]:
     "--janitor-interval",
     type=DURATION,
     help="Expected seconds between janitor runs (under Celery: dlock_janitor_interval); "
-    f"a last run older than {JANITOR_LATE} intervals is a warning.",
+    f"a last recorded run older than an hour and {JANITOR_LATE} intervals is a warning "
+    "(a run on the beat schedule with nothing to do is recorded once an hour).",
 )
 @JSON
 @guarded

@@ -36,7 +36,14 @@ def test_reap_clears_dead_holders_and_counts_them(tmp_path: Path) -> None:
     live = backend.try_acquire("job:live", Holder.current(), None)
     assert live is not None
     counts = reap(backend, batch=2)
-    assert counts == {"reaped": 3, "disconnected": 3, "expired": 0, "pruned": 0, "skipped": 0}
+    assert counts == {
+        "reaped": 3,
+        "disconnected": 3,
+        "expired": 0,
+        "pruned": 0,
+        "skipped": 0,
+        "quiet": 0,
+    }
     for lease in dead:
         assert backend.get(lease.key) is None
     held = backend.get("job:live")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ from typing import Any
 import pytest
 
 from celery_dlock import backend_from_url
-from celery_dlock.records import Holder
+from celery_dlock.reap import JANITOR_QUIET, janitor_key
+from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 from tests.cli.clitools import REDIS_URL, CliStore, postgres_url, redis_client, run_celery, run_cli
 from tests.support.services import drop_schema, postgres_admin
 
@@ -54,9 +56,17 @@ def test_doctor_table_names_the_store_and_each_check(file_store: CliStore) -> No
     assert lines[-1] == "all checks passed (1 warning)"
 
 
+def janitor_ran(url: str, ago: float) -> None:
+    """A recorded janitor run, released ``ago`` seconds ago."""
+    now = time.time()
+    lease = Lease(janitor_key("job"), new_token(), 0, Holder.current(), now - ago - 0.1)
+    counts = {"reaped": 0, "disconnected": 0, "expired": 0, "pruned": 0, "skipped": 0}
+    backend_from_url(url).add_record(Record(lease, now - ago, Outcome.SUCCEEDED, result=counts))
+
+
 def test_doctor_under_celery_warns_when_the_janitor_is_late(file_store: CliStore) -> None:
-    assert run_cli("--backend", file_store.url, "reap").returncode == 0
-    # An interval of 1 ms: the last run is certainly more than 3 intervals old.
+    # An interval of 1 ms, and a last run past the hour in which an idle run goes unrecorded.
+    janitor_ran(file_store.url, ago=JANITOR_QUIET + 5)
     result = run_celery(file_store.url, "doctor", "--json", env={"DLOCK_CLI_JANITOR": "0.001"})
 
     assert result.returncode == 0, result.stderr
@@ -64,6 +74,19 @@ def test_doctor_under_celery_warns_when_the_janitor_is_late(file_store: CliStore
     assert janitor["status"] == "warn"
     assert "is celery beat running?" in janitor["detail"]
     assert json.loads(result.stdout)["source"] == "dlock_backend"
+
+
+def test_doctor_under_celery_takes_a_janitor_unrecorded_within_the_hour_for_running(
+    file_store: CliStore,
+) -> None:
+    # Far more than 3 intervals of 1 ms, but within the hour: idle runs go unrecorded then.
+    janitor_ran(file_store.url, ago=600)
+    result = run_celery(file_store.url, "doctor", "--json", env={"DLOCK_CLI_JANITOR": "0.001"})
+
+    assert result.returncode == 0, result.stderr
+    janitor = checks(result)["janitor"]
+    assert janitor["status"] == "ok", janitor
+    assert janitor["detail"].startswith("last ran 10m0"), janitor
 
 
 @pytest.mark.parametrize(
