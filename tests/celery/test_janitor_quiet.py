@@ -2,7 +2,7 @@
 finds nothing to clear leaves no record when one was recorded within ``quiet_for`` (an hour
 for the beat task), while every run that clears something is recorded, and two janitors
 at once, each clearing its first batch without the janitor's lock, clear and record each
-dead lease once. On the file store, PostgreSQL and Redis."""
+dead lease once. On the file store, PostgreSQL and Redis; the last, on S3 and GCS too."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ from celery_dlock import Holder, Outcome, backend_from_url, install
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.reap import JANITOR_TASK, janitor_key, reap
 from celery_dlock.records import Lease
+from tests.support.objectstore_servers import (  # noqa: F401 - fixtures
+    Server,
+    object_server,
+    unique_prefix,
+)
 from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin, redis_client
 
 REDIS_URL = "redis://127.0.0.1:6379/1"
@@ -159,3 +164,33 @@ def test_the_beat_task_runs_quietly_and_the_cli_run_is_always_recorded(
     assert task.delay().get()["quiet"] == 1
     assert reap(backend)["quiet"] == 0  # as `celery dlock reap` runs it: no quiet_for
     assert janitor_records(backend) == [Outcome.SUCCEEDED, Outcome.SUCCEEDED]
+
+
+def test_janitors_at_once_on_an_object_store_record_each_dead_lease_once(
+    object_server: Server,  # noqa: F811
+    opened: Opener,
+) -> None:
+    """S3 and GCS: a reap's write is conditional on the object it read; four janitors at
+    once each clear their first batch without the lock."""
+    url = object_server.url(unique_prefix())
+    backend = opened(url)
+    reap(backend, quiet_for=3600)
+    dead = dead_leases(backend, 8)
+    start = threading.Barrier(4)
+    results: list[dict[str, int]] = []
+
+    def janitor() -> None:
+        own = opened(url)
+        start.wait()
+        results.append(reap(own, batch=3, quiet_for=3600))
+
+    threads = [threading.Thread(target=janitor) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(results) == 4
+    assert sum(counts["reaped"] for counts in results) == 8
+    for lease in dead:
+        assert [r.outcome for r in backend.history(key=lease.key)] == [Outcome.EXPIRED]
+        assert backend.get(lease.key) is None
