@@ -136,7 +136,7 @@ def _janitor(env: Env, interval: float | None) -> Finding:
         )
     last = records[0]
     age = now - last.released_at
-    when = f"last ran {human_duration(age)} ago ({local_time(last.released_at)})"
+    when = f"last recorded run {human_duration(age)} ago ({local_time(last.released_at)})"
     if last.outcome is not Outcome.SUCCEEDED:
         first_line = (last.details or "").split("\n", 1)[0]
         return Finding("janitor", "warn", f"{when} and failed: {last.problem}: {first_line}{busy}")
