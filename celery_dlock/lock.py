@@ -473,4 +473,3 @@ class Lock:
     def __repr__(self) -> str:
         state = "held" if self._lease is not None else "free"
         return f"<Lock {self.key!r} {state} on {self.backend!r}>"
-
