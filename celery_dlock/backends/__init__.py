@@ -47,6 +47,13 @@ def _scheme(url: str) -> str:
             f"a lock backend URL looks like 'scheme://...', got {url!r} "
             f"(schemes: {', '.join(sorted(BACKENDS))})"
         )
+    if url.strip("\t\r\n") != url.strip():
+        # A space around the URL, as an env file can leave: s3://locks/prod and
+        # s3://locks/prod<space> were two stores, whose workers never saw each other's
+        # locks. A tab or newline is fine: urlsplit drops them (a secret file's last "\n").
+        raise ConfigurationError(
+            f"the lock backend URL {mask_url(url)!r} has white space around it: remove it"
+        )
     return url.split("://", 1)[0].lower()
 
 
@@ -104,8 +111,9 @@ def mask_url(url: str) -> str:
         return "<unparsable URL>"
     if "@" not in parts.netloc and "@" in url.partition("://")[2]:
         # An '@' after the authority ended: a password holding a '/', '?' or '#' that is not
-        # percent-encoded, which the parse above missed. All before the last '@' is hidden.
-        return f"{parts.scheme}://***@{url.rpartition('@')[2]}"
+        # percent-encoded, which the parse above missed. All before the last '@' is hidden,
+        # and what follows is masked as a URL's rest is.
+        return f"{parts.scheme}://***@{_masked_tail(url)}"
     query = "&".join(_masked_option(option) for option in parts.query.split("&"))
     if parts.password is None:
         if query == parts.query:
@@ -114,6 +122,21 @@ def mask_url(url: str) -> str:
     userinfo, _, hosts = parts.netloc.rpartition("@")  # hosts: one, or a cluster's list
     netloc = f"{userinfo.partition(':')[0]}:***@{hosts}"
     return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _masked_tail(url: str) -> str:
+    """What follows the last ``@`` of ``url``, its secret options masked. That ``@`` may
+    instead be one in a secret option's value (``?password=p@ss``): the value's end,
+    which starts the tail, is masked too."""
+    tail = url.rpartition("@")[2]
+    for secret in query_secrets(url):
+        _, at, end = secret.rpartition("@")
+        if at and tail.startswith(end):
+            tail = "***" + tail[len(end) :]
+    rest, question, query = tail.partition("?")
+    if not question:
+        return tail
+    return f"{rest}?{'&'.join(_masked_option(option) for option in query.split('&'))}"
 
 
 def _masked_option(option: str) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
+from celery_dlock.backends import mask_url
 from celery_dlock.backends.base import (
     Capabilities,
     LockBackend,
@@ -43,6 +44,7 @@ from celery_dlock.backends.common import (
     url_options,
     wall_clock,
 )
+from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["MemoryBackend"]
@@ -75,8 +77,15 @@ class MemoryBackend(LockBackend):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> MemoryBackend:
         clock = options.pop("clock", None)
-        url_options("memory", urlsplit(url).query, {}, options)
-        name = urlsplit(url).netloc
+        parts = urlsplit(url)
+        url_options("memory", parts.query, {}, options)
+        if parts.path not in ("", "/") or parts.fragment:
+            # It was ignored: memory://tests/a and memory://tests/b were one store.
+            raise ConfigurationError(
+                f"a memory store URL is memory:// or memory://NAME, with no path or '#': "
+                f"{mask_url(url)!r} would be the store memory://{parts.netloc}"
+            )
+        name = parts.netloc
         with cls._named_mutex:
             backend = cls._named.get(name)
             if backend is None:

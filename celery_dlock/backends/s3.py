@@ -118,6 +118,13 @@ class S3Backend(ObjectStoreBackend):
     def from_url(cls, url: str, **options: Any) -> S3Backend:
         parts = urlsplit(url)
         userinfo, _, bucket = parts.netloc.rpartition("@")
+        if ":" in parts.netloc and "@" not in parts.netloc and "@" in url.partition("://")[2]:
+            # A secret key cut by its '/' (AWS's hold some), or a '?' or '#': it was
+            # refused as naming no bucket.
+            raise ConfigurationError(
+                f"S3 backend URL {mask_url(url)!r} holds an '@' after its bucket: "
+                "percent-encode a '/', '?' or '#' in its secret key (%2F, %3F, %23)"
+            )
         if not bucket or ":" in bucket:
             raise ConfigurationError(
                 f"S3 backend URL {mask_url(url)!r} names no bucket: use s3://bucket/prefix"

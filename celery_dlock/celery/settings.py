@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -205,8 +206,12 @@ def _spelt_either_way(conf: Any) -> Any:
 
 
 def _seconds(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigurationError(f"{name} must be a positive number of seconds, not {value!r}")
+    # NaN and infinity are refused too: a NaN retention made every janitor run fail on Redis
+    # (and prune nothing elsewhere), an infinite interval stopped beat at its start.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ConfigurationError(
+            f"{name} must be a positive, finite number of seconds, not {value!r}"
+        )
     return float(value)
 
 

@@ -5,9 +5,9 @@ No I/O happens here: ``from_url`` runs at import time in Celery apps, before the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 import psycopg
 from psycopg.conninfo import make_conninfo
@@ -123,7 +123,8 @@ _DEFAULTS: dict[str, Any] = {
 class Config:
     """How to connect: libpq conninfo (our own options removed) and our settings."""
 
-    conninfo: str
+    #: Holds the password: kept out of the repr (a debug log, a traceback's locals).
+    conninfo: str = field(repr=False)
     url: str
     statements: Statements
     auto_migrate: bool
@@ -218,6 +219,23 @@ def parse_url(url: str, overrides: dict[str, Any]) -> Config:
             f"a postgres backend URL starts with postgresql://, postgresql+psycopg:// or "
             f"postgres://, not {mask_url(url)!r}"
         )
+    try:
+        return _parse(url, parts, overrides)
+    except ConfigurationError:
+        if "@" in parts.netloc or "@" not in url.partition("://")[2]:
+            raise
+        # An '@' after the hosts most often ends a password holding a '/', '?' or '#' that
+        # is not percent-encoded: the URL was cut inside it, and a piece of it would show
+        # in the error as a port, an option's name or a schema.
+        raise ConfigurationError(
+            f"postgres URL {mask_url(url)!r} holds an '@' after its host: percent-encode a "
+            "'/', '?' or '#' in its password (%2F, %3F, %23) and an '@' in an option (%40)"
+        ) from None
+
+
+def _parse(url: str, parts: SplitResult, overrides: dict[str, Any]) -> Config:
+    """:func:`parse_url` past the scheme's check."""
+    _check_ports(url, parts.netloc)
     known: dict[str, Any] = {**_OPTIONS, **dict.fromkeys(LIBPQ_PARAMETERS, str)}
     given = url_options("postgres", parts.query, known, overrides)
     ours = {**_DEFAULTS, **{k: v for k, v in given.items() if k in _OPTIONS}}
@@ -234,7 +252,18 @@ def parse_url(url: str, overrides: dict[str, Any]) -> Config:
             f"name a schema of the store's own, such as dlock [{mask_url(url)}]"
         )
     user_options = libpq.pop("options", None)
-    base = urlunsplit(("postgresql", parts.netloc, parts.path, "", ""))
+    # The user and password go to libpq as parameters, as Python reads them (up to the last
+    # '@'): libpq ends the password at the first '@', so p@ss was the password p and the
+    # host ss@db, and a '%' not encoded failed with the password in the error. Not
+    # urlunsplit: it drops the '//' of an empty host (postgresql:///db?host=/run/pg).
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if at:
+        user, colon, password = userinfo.partition(":")
+        if user:
+            libpq.setdefault("user", unquote(user))
+        if colon:
+            libpq.setdefault("password", unquote(password))
+    base = f"postgresql://{hosts}{parts.path}"
     try:
         conninfo = make_conninfo(base, **libpq)
     except psycopg.Error as exc:
@@ -265,6 +294,27 @@ def parse_url(url: str, overrides: dict[str, Any]) -> Config:
         has_application_name="application_name" in named,
         has_connect_timeout="connect_timeout" in named,
     )
+
+
+def _check_ports(url: str, netloc: str) -> None:
+    """Refuse a port that is no port number, naming it, rather than fail at the first
+    connection (a worker would retry its tasks for ever)."""
+    for port in _ports(netloc):
+        if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigurationError(
+                f"postgres URL {mask_url(url)!r} has the port {port!r}: a number from 1 to 65535"
+            )
+
+
+def _ports(netloc: str) -> list[str]:
+    """The ports written in ``netloc``'s hosts (``h1:5432,h2``: ``["5432"]``)."""
+    hosts = netloc.rpartition("@")[2]
+    ports = []
+    for host in hosts.split(","):
+        _, colon, port = host.rpartition(":")
+        if port and colon and not port.endswith("]"):  # "[::1]": no port
+            ports.append(port)
+    return ports
 
 
 def translate(exc: psycopg.Error, what: str, url: str) -> DLockError:

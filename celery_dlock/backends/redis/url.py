@@ -15,6 +15,15 @@ __all__ = ["parse_url"]
 
 _TLS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname")
 _CONNECTION = ("socket_timeout", "socket_connect_timeout")
+
+
+def _cert_reqs(text: str) -> str:
+    # redis-py checks it only when it connects: every task failed, and the worker ran on.
+    if text not in ("none", "optional", "required"):
+        raise ValueError("must be none, optional or required")
+    return text
+
+
 _KNOWN: dict[str, Callable[[str], Any]] = {
     "prefix": str,
     "buckets": int,
@@ -30,7 +39,7 @@ _KNOWN: dict[str, Callable[[str], Any]] = {
     "ssl_ca_certs": str,
     "ssl_certfile": str,
     "ssl_keyfile": str,
-    "ssl_cert_reqs": str,
+    "ssl_cert_reqs": _cert_reqs,
     "ssl_check_hostname": flag,
 }
 
