@@ -172,8 +172,10 @@ class RedisBackend(LockBackend):
         settings = dict(connection or {})
         nodes = settings.pop("cluster_nodes", None)
         made = Connections if nodes is None else partial(ClusterConnections, nodes=nodes)
-        self._client = Client(settings, retries, url, made)
         self._layout = layout = Layout(prefix, buckets)
+        self._client = Client(
+            settings, retries, url, made, claim=layout.claim(), check=layout.check
+        )
         self.calls = Calls(
             layout,
             history_maxlen=history_maxlen,

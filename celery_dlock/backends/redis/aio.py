@@ -54,8 +54,12 @@ MAX_WAITERS = 256
 class _LoopConnections:
     """One event loop's connections, and the acquires whose reply it lost."""
 
-    def __init__(self, make: Callable[[], Any]) -> None:
+    def __init__(
+        self, make: Callable[[], Any], claim: tuple[bytes, ...], check: Callable[[Any], None]
+    ) -> None:
         self._make = make
+        self._claim = claim  # the layout's (``Client``'s), sent by the first connection
+        self._check = check
         self._idle: list[tuple[Any, float]] = []  # with when each was last used
         self._open = 0  # idle or in a call
         self._freed: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -114,15 +118,27 @@ class _LoopConnections:
         if not self._policy_read:
             self._policy_read = True
             try:
-                await connection.send_command("INFO", "memory")
-                evicting(await connection.read_response(), connection)
-            except ResponseError:
-                pass  # INFO refused (an ACL): left to the doctor
+                await self._first(connection)
             except BaseException:
                 await self._drop(connection)
                 self._policy_read = False
                 raise
         return connection
+
+    async def _first(self, connection: Any) -> None:
+        """What the loop's first connection asks before any call: the server's eviction
+        policy, and the layout's claim (a refusal of either, as by an ACL or a replica, is
+        left to the doctor)."""
+        try:
+            await connection.send_command("INFO", "memory")
+            evicting(await connection.read_response(), connection)
+        except ResponseError:
+            pass
+        try:
+            await connection.send_command(*self._claim)
+            self._check(await connection.read_response())
+        except ResponseError:
+            pass
 
     def _wake(self) -> None:
         """Wake the first call still waiting for a connection."""
@@ -170,7 +186,8 @@ class AsyncRedis:
         settings = {**client.connection, "retry": Retry(NoBackoff(), 0)}
         pool = redis.asyncio.Redis(**settings).connection_pool
         make = partial(pool.connection_class, **pool.connection_kwargs)
-        self._loops = LoopLocal(lambda: _LoopConnections(make))
+        layout = calls.layout
+        self._loops = LoopLocal(lambda: _LoopConnections(make, layout.claim(), layout.check))
         self._connections = self._loops.get
 
     async def _run(

@@ -231,6 +231,8 @@ class Client:
             ``ClusterConnections``).
         retries: how often a command whose connection failed is sent again.
         url: the masked URL, for error messages.
+        claim, check: a command sent once per process before any other, and the judge of
+            its reply (the layout's; see ``Layout.check``).
     """
 
     def __init__(
@@ -239,6 +241,9 @@ class Client:
         retries: int,
         url: str,
         connections: Callable[[dict[str, Any]], Wire] = Connections,
+        *,
+        claim: tuple[bytes, ...] | None = None,
+        check: Callable[[Any], None] | None = None,
     ) -> None:
         self.connection = {
             "socket_timeout": 5.0,
@@ -254,7 +259,36 @@ class Client:
         self.slack = float(self.connection["socket_timeout"] or 5.0)
         #: Whether the connections are a cluster's (``ClusterConnections``).
         self.cluster = connections is not Connections
-        self._local = ProcessLocal(lambda: connections(self.connection), lambda made: made.close())
+        self._make = connections
+        #: A command sent once per process before any other, and what judges its reply (a
+        #: ResponseError, as from a replica or an ACL, is not judged): the layout's claim.
+        self._claim = claim
+        self._check = check
+        self._local = ProcessLocal(self._open, lambda made: made.close())
+
+    def _open(self) -> Wire:
+        """This process's connections, made now, after the claim (retried as a call is)."""
+        wire = self._make(self.connection)
+        if self._claim is None or self._check is None:
+            return wire
+        attempt = 0
+        try:
+            while True:
+                try:
+                    self._check(wire.call(*self._claim))
+                    return wire
+                except ResponseError:
+                    return wire
+                except AMBIGUOUS as exc:
+                    if attempt >= self.retries:
+                        raise self.error("connect", None, exc) from exc
+                    attempt += 1
+                    time.sleep(backoff(attempt))
+                except RedisError as exc:
+                    raise self.error("connect", None, exc) from exc
+        except BaseException:
+            wire.close()
+            raise
 
     def connections(self) -> Wire:
         """This process's connections (made afresh after a fork)."""

@@ -11,6 +11,7 @@ namespace is split into buckets), and the lock key comes last, verbatim::
     {dlock}:history                  the capped stream of records
     {dlock}:epoch  {dlock}:quarantine    notice that Redis lost its data
     {dlock}:server                   the LASTSAVE and run_id of the server last seen
+    {dlock}:layout                   ``buckets=N``: how the namespace is split (below)
 
 Redis Cluster hashes only what is between the first ``{`` and the next ``}``. The prefix
 may not hold braces, so the tag is always ours whatever the lock key holds (braces,
@@ -18,6 +19,11 @@ colons, anything): all keys of a lock, *and* the index and history it writes, sh
 slot, and each script touches one slot only. With ``buckets`` > 1 a key's bucket is its
 CRC-32 modulo ``buckets``, which spreads the namespace over that many slots; readers of
 the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
+
+Processes whose ``buckets`` differ name one lock by different keys, so both would hold it:
+each process records its count in ``{prefix}:layout`` at its first call (``SET NX GET``),
+and one that finds another count refuses to work (:meth:`Layout.check`). To change
+``buckets``, stop every process of the namespace and delete that key.
 """
 
 from __future__ import annotations
@@ -60,6 +66,30 @@ class Layout:
         self.buckets = buckets
         self._tags = [self._tag(bucket) for bucket in range(buckets)]
         self._cache: dict[str, LockNames] = {}
+
+    @property
+    def marker(self) -> bytes:
+        """The key that records how this namespace is split: ``{prefix}:layout``."""
+        return b"{" + self.prefix.encode() + b"}:layout"
+
+    def claim(self) -> tuple[bytes, ...]:
+        """The command that records this process's ``buckets`` unless one is recorded, and
+        answers the one recorded: its reply goes to :meth:`check`."""
+        return (b"SET", self.marker, b"buckets=%d" % self.buckets, b"NX", b"GET")
+
+    def check(self, found: object) -> None:
+        """Refuse a namespace that another process splits into another number of buckets
+        (``found``: the reply of :meth:`claim`)."""
+        mine = b"buckets=%d" % self.buckets
+        if found is None or found == mine:
+            return
+        theirs = found.decode(errors="replace") if isinstance(found, bytes) else repr(found)
+        raise ConfigurationError(
+            f"the redis namespace {self.prefix!r} is split as {theirs} by another process "
+            f"({self.marker.decode()}), and as buckets={self.buckets} here: the two would "
+            "name one lock by two keys and both hold it. Give every process the same "
+            f"buckets; to change it, stop them all and delete {self.marker.decode()}"
+        )
 
     def _tag(self, bucket: int) -> bytes:
         text = self.prefix if self.buckets == 1 else f"{self.prefix}:{bucket}"
