@@ -80,7 +80,7 @@ def canonical(value: Any) -> str:
     if kind is str:  # the usual values first
         return value  # type: ignore[no-any-return]
     if kind is int:
-        return str(value)
+        return _canonical_int(value)
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -90,7 +90,7 @@ def canonical(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, int):
-        return str(int(value))
+        return _canonical_int(int(value))
     if isinstance(value, float):  # 42.0 as 42 and 1e-07 as 0.0000001: as int and Decimal
         return _canonical_decimal(Decimal(repr(value)))
     if isinstance(value, Decimal):
@@ -110,12 +110,37 @@ def canonical(value: Any) -> str:
     )
 
 
+def _canonical_int(value: int) -> str:
+    try:
+        return str(value)
+    except ValueError:  # past sys.get_int_max_str_digits() (4300): past a key's length too
+        raise LockKeyError(
+            f"an integer of about {value.bit_length() * 0.30103:.0f} digits is past a key's "
+            f"{MAX_KEY_BYTES} bytes"
+        ) from None
+
+
 def _canonical_decimal(value: Decimal) -> str:
+    """``value`` in fixed point without trailing zeros, exactly: not ``normalize()``, which
+    rounds to the context's 28 digits (two orders of 29 digits would share a key), and
+    refused before it is written when it would be past a key's length (``1E+10000000``)."""
     if not value.is_finite():
         return str(value)
     if value.is_zero():
         return "0"
-    return format(value.normalize(), "f")
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)  # finite
+    kept = len(digits)
+    while digits[kept - 1] == 0:  # not all zero: is_zero() above
+        kept -= 1
+    exponent += len(digits) - kept
+    length = sign + (kept + exponent if exponent >= 0 else max(kept, -exponent + 1) + 1)
+    if length > MAX_KEY_BYTES:
+        raise LockKeyError(
+            f"the decimal value {value:.6E} would take {length} characters in a key, past its "
+            f"{MAX_KEY_BYTES} bytes"
+        )
+    return format(Decimal((sign, digits[:kept], exponent)), "f")
 
 
 class KeyTemplate:
@@ -177,9 +202,16 @@ class KeyTemplate:
         parameters = self.signature.parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
         try:
-            fields = [name for _, name, _, _ in _FORMATTER.parse(self.template) if name is not None]
+            parsed = list(_FORMATTER.parse(self.template))
         except ValueError as exc:
             raise LockKeyError(f"lock_key {source!r} of {self.owner} is malformed: {exc}") from None
+        fields = [name for _, name, _, _ in parsed if name is not None]
+        for _, name, spec, _ in parsed:
+            if spec and "{" in spec:  # str.format would fill it; format() takes it as is
+                raise LockKeyError(
+                    f"lock_key {source!r} of {self.owner} has a placeholder in the format "
+                    f"spec of {{{name}}}: write the spec out, or use a callable lock_key"
+                )
         for name in fields:
             root = _ROOT.match(name).group()  # type: ignore[union-attr]  # matches "" at worst
             if not root or root.isdigit():
@@ -260,8 +292,18 @@ class KeyTemplate:
                 ) from None
             if conversion:
                 value = _FORMATTER.convert_field(value, conversion)
-            parts.append(format(value, spec) if spec else canonical(value))
+            parts.append(self._formatted(name, value, spec) if spec else canonical(value))
         return "".join(parts)
+
+    def _formatted(self, name: str, value: Any, spec: str) -> str:
+        """``value`` in the format ``spec`` of its placeholder ``{name:spec}``."""
+        try:
+            return format(value, spec)
+        except (ValueError, TypeError) as exc:  # "Unknown format code 'd' for ... 'str'"
+            raise LockKeyError(
+                f"cannot build the lock key of {self.owner}: {{{name}:{spec}}} cannot format "
+                f"a value of type {type(value).__qualname__} ({exc})"
+            ) from None
 
     def __repr__(self) -> str:
         source = self.template or repr(self.callable)

@@ -265,3 +265,26 @@ def test_non_text_key_is_refused() -> None:
         validate_key(42)  # type: ignore[arg-type]
     with pytest.raises(LockKeyError, match="not valid Unicode"):
         validate_key("job:\udcff")
+
+
+def test_decimals_of_more_than_28_digits_keep_every_digit() -> None:
+    """Two orders whose amounts differ in the 29th digit: normalize() rounded both to 28
+    digits, one key, and ``once`` replayed the one's result for the other."""
+    one, other = Decimal("12345678901234567890123456789"), Decimal("12345678901234567890123456788")
+    assert canonical(one) == "12345678901234567890123456789"
+    assert canonical(other) == "12345678901234567890123456788"
+    assert canonical(Decimal("1234567890123456789012345678.90")) == (
+        "1234567890123456789012345678.9"
+    )
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Decimal("1E+10000000"), Decimal("1E-10000000"), 10**5000],
+    ids=["1E+10000000", "1E-10000000", "int-of-5001-digits"],
+)
+def test_a_number_past_a_keys_length_is_a_lock_key_error(value: Any) -> None:
+    """Not a ten-million-character string, a ``0`` (1E-10000000 normalized), nor a bare
+    ValueError from an int past Python's 4300 digits."""
+    with pytest.raises(LockKeyError, match=f"{MAX_KEY_BYTES} bytes"):
+        canonical(value)

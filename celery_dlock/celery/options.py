@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import math
 from types import FunctionType
 from typing import Any
 
+from celery import Task
+
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import dedupe
-from celery_dlock.errors import ConfigurationError
+from celery_dlock.errors import ConfigurationError, LockKeyError
+from celery_dlock.keys import KeyTemplate
 from celery_dlock.lock import DEFAULT, validate_limit, validate_wait
 
-__all__ = ["ON_LOCKED", "ON_LOST", "OURS", "check_base", "check_options"]
+__all__ = ["ON_LOCKED", "ON_LOST", "OURS", "check_base", "check_options", "define"]
 
 ON_LOCKED = ("retry", "skip", "fail")
 ON_LOST = ("log", "raise")
@@ -22,6 +27,50 @@ ON_LOST = ("log", "raise")
 OURS = ("lock_", "dlock_", "dedup", "on_lock", "on_dup", "once")
 #: What a base class defines that is not an option (``lock_key_for``, ``leases``).
 _NOT_OPTIONS = (FunctionType, property, classmethod, staticmethod)
+
+
+def define(cls: Any, locked: type) -> tuple[KeyTemplate, ...] | None:
+    """The key templates of ``cls``, a subclass of ``locked`` (``LockedTask``) being
+    defined, its options checked; None for an abstract base of the user's own (a class
+    without a body), checked for misspelt options only.
+
+    Raises:
+        ConfigurationError: a bad option, or a base whose ``__call__`` would be skipped.
+        LockKeyError: no ``lock_key``, or a template that does not fit the body.
+    """
+    _check_call_order(cls, locked)
+    run = cls.__dict__.get("run")
+    if run is None and cls.lock_key is not None:
+        # A subclass of a task class (``class Urgent(Charge): lock_key = ...``) runs the
+        # body it inherits: with its own key and options, not its parent's.
+        run = inspect.getattr_static(cls, "run")
+        run = None if run is Task.__dict__["run"] else run
+    if run is None:
+        check_base(cls)
+        return None
+    name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
+    if cls.lock_key is None:
+        raise LockKeyError(f"task {name} has base=LockedTask but no lock_key")
+    func = run.__func__ if isinstance(run, staticmethod) else functools.partial(run, None)
+    given = cls.lock_key if isinstance(cls.lock_key, (list, tuple)) else [cls.lock_key]
+    if not given or any(isinstance(t, str) and not t.strip() for t in given):
+        raise LockKeyError(f"task {name}: lock_key must be templates that are not empty")
+    templates = tuple(KeyTemplate(template, func, namespace="", owner=name) for template in given)
+    check_options(cls, name, several=len(given) > 1)
+    return templates
+
+
+def _check_call_order(cls: Any, locked: type) -> None:
+    """Refuse a base after ``locked`` in the MRO that defines ``__call__``: ``locked``'s
+    ``__call__`` runs the body itself and would skip it without a word."""
+    mro = cls.__mro__
+    for base in mro[mro.index(locked) + 1 : mro.index(Task)]:
+        if "__call__" in vars(base):
+            raise ConfigurationError(
+                f"class {cls.__name__}: {base.__name__} defines __call__, which "
+                f"{locked.__name__} would skip: put {base.__name__} before "
+                f"{locked.__name__} in the bases"
+            )
 
 
 def check_options(cls: Any, name: str, *, several: bool = False) -> None:

@@ -41,7 +41,7 @@ from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import busy, dedupe, once, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
-from celery_dlock.celery.options import check_base, check_options
+from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, stored_result
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
@@ -96,28 +96,19 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     lock_metadata: ClassVar[Callable[..., Any] | None] = None
     #: Seconds a dedupe mark lives past its message's countdown; None: ``dlock_dedupe_ttl``.
     dedupe_ttl: ClassVar[float | None] = None
-    throws = (LockNotAcquiredError,)
+    throws: ClassVar[tuple[type[BaseException], ...]] = (LockNotAcquiredError,)
 
     _dlock_templates: ClassVar[tuple[KeyTemplate, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         signals.connect()
-        run = cls.__dict__.get("run")
-        if run is None:  # an abstract base of the user's own, without a body yet
-            check_base(cls)
-            return
-        name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
-        if cls.lock_key is None:
-            raise LockKeyError(f"task {name} has base=LockedTask but no lock_key")
-        func = run.__func__ if isinstance(run, staticmethod) else functools.partial(run, None)
-        given = cls.lock_key if isinstance(cls.lock_key, (list, tuple)) else [cls.lock_key]
-        if not given or any(isinstance(t, str) and not t.strip() for t in given):
-            raise LockKeyError(f"task {name}: lock_key must be templates that are not empty")
-        cls._dlock_templates = tuple(
-            KeyTemplate(template, func, namespace="", owner=name) for template in given
-        )
-        check_options(cls, name, several=len(given) > 1)
+        throws = cls.throws if isinstance(cls.throws, (tuple, list)) else (cls.throws,)
+        if LockNotAcquiredError not in throws:  # a task's own throws=(...) keeps ours
+            cls.throws = (*filter(None, throws), LockNotAcquiredError)
+        templates = define(cls, LockedTask)
+        if templates is not None:  # None: an abstract base of the user's own
+            cls._dlock_templates = templates
 
     # -- what the body sees --------------------------------------------------------------
 
