@@ -30,11 +30,14 @@ from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))  # the test servers and the counting proxy
-sys.path.insert(0, str(HERE.parent / "tests" / "helpers"))
+sys.path.insert(0, str(HERE.parent))  # the tests' object-store servers and proxy
 
 from benchlib import interleaved, print_table  # noqa: E402
-from objectstore_servers import (  # noqa: E402
+
+from celery_dlock import Holder, Outcome  # noqa: E402
+from celery_dlock.backends import backend_from_url  # noqa: E402
+from celery_dlock.backends.objectstore import ObjectStoreBackend  # noqa: E402
+from tests.support.objectstore_servers import (  # noqa: E402
     HTTPProxy,
     Server,
     start_fake_gcs,
@@ -42,10 +45,6 @@ from objectstore_servers import (  # noqa: E402
     start_seaweedfs,
     unique_prefix,
 )
-
-from celery_dlock import Holder, Outcome  # noqa: E402
-from celery_dlock.backends import backend_from_url  # noqa: E402
-from celery_dlock.backends.objectstore import ObjectStoreBackend  # noqa: E402
 
 STARTERS: dict[str, Callable[[], Server]] = {
     "moto": start_moto,

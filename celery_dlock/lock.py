@@ -119,6 +119,10 @@ class Lock:
         limit: int = 1,
         metadata: Mapping[str, Any] | None = None,
     ) -> None:
+        if not isinstance(backend, LockBackend | str):  # lock(..., backend=os.environ.get(...))
+            raise ConfigurationError(
+                f"a lock's backend is a store URL or a LockBackend, not {backend!r}"
+            )
         self.backend = shared_backend(backend) if isinstance(backend, str) else backend
         self.key = validate_key(key)
         self.metadata = check_metadata(metadata)

@@ -400,3 +400,12 @@ def test_locks_and_lock_pass_metadata_to_every_key() -> None:
     records = backend.history()
     assert sorted(r.key for r in records) == ["job:a", "job:b"]
     assert all(r.lease.metadata == {"transfer": 7} for r in records)
+
+
+def test_a_lock_without_a_store_names_the_problem() -> None:
+    """``lock(..., backend=os.environ.get("LOCKS"))`` with the variable unset: not an
+    AttributeError about ``default_ttl`` from inside the Lock."""
+    with pytest.raises(ConfigurationError, match="store URL or a LockBackend, not None"):
+        Lock(None, "job:x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="not None"), lock("job:x", backend=None):  # type: ignore[arg-type]
+        pass

@@ -166,7 +166,10 @@ class Demo:
         results = [first]
         for _ in range(self.copies):
             results += [tasks.charge.delay(order_id) for order_id, *_ in self.orders]
-        say(f"submitted {len(results)} charges: every order {self.copies} more times, at once")
+        say(
+            f"submitted {len(results)} charges: every order {self.copies} times at once "
+            f"(order {self.hanging} once more, before)"
+        )
 
         orphan = _crashed_cron_run(self.env, store)
         say(f"a cron run of the nightly report crashed holding {orphan}")

@@ -12,6 +12,7 @@ Options
     ``timeout`` (seconds, default 10): timeout of each request; retries of one call stop
     after three times that.
     ``gc_after`` (seconds, default 86400): ``reap()`` deletes lock objects free that long.
+    ``ttl`` (seconds, default 60): the ttl of a lock given none, renewed every ``ttl / 3``.
     ``GCSBackend(..., clock=...)`` takes the local clock that measures time between responses.
 
 Guarantees
@@ -23,7 +24,7 @@ Guarantees
     jobs), not thousands of short critical sections a second on one key; keep ``ttl`` well
     above a few seconds.
     crash: a dead holder's lease expires ``ttl`` after its last renewal (by GCS's clock); a
-    lease without ``ttl`` stays until released or force-released.
+    lock given no ``ttl`` gets the URL's (60 s by default), renewed while held.
     clock skew: expiry is judged by GCS's ``Date`` headers and the ``updated`` time of our
     own writes, never the caller's clock.
     partition: a holder cut off from GCS cannot renew; its lease expires, and its late

@@ -13,6 +13,8 @@ Options
     ``timeout`` (seconds, default 10): connect and read timeout of each request.
     ``max_attempts`` (int, default 4): attempts per request, boto3's retries included.
     ``gc_after`` (seconds, default 86400): ``reap()`` deletes lock objects free that long.
+    ``ttl`` (seconds, default 60): the ttl of a lock given none, renewed every ``ttl / 3``.
+    ``access_key``, ``secret_key``: the credentials, instead of ``KEY:SECRET@``.
     ``S3Backend(..., clock=...)`` takes the local clock that measures time between responses.
 
 Guarantees
@@ -22,7 +24,7 @@ Guarantees
     (content hashes) never repeat. A 412, or a 404 on ``If-Match`` of a missing key, means
     "not ours"; a 409 ConditionalRequestConflict is retried.
     crash: a dead holder's lease expires ``ttl`` after its last renewal (by S3's clock); a
-    lease without ``ttl`` stays until released or force-released.
+    lock given no ``ttl`` gets the URL's (60 s by default), renewed while held.
     clock skew: expiry is judged by the ``Date`` of S3's responses, never the caller's clock.
     partition: a holder cut off from S3 cannot renew; its lease expires, and its late
     writes fail their condition. Use the lease's fence to guard the resource.

@@ -191,7 +191,9 @@ def _page(default_prefix: str) -> Page:
     args = request.args
     unknown = sorted(set(args) - _PARAMETERS)
     if unknown:  # a misspelt filter (prefix=) would show the page unfiltered
-        abort(400, f"unknown parameter {unknown[0]}: the filters are {', '.join(_PARAMETERS)}")
+        abort(
+            400, f"unknown parameter {unknown[0]}: the filters are {', '.join(sorted(_PARAMETERS))}"
+        )
     prefix = args.get("key", default_prefix)
     if len(prefix) > 1024 or any(ord(c) < 32 for c in prefix):
         abort(400, "key: at most 1024 characters, no control characters")
