@@ -45,41 +45,80 @@ class _Held:
     """The leases this process holds, or keeps alive for a later acquisition (a Celery
     task's lease kept for its retry): the one registry, so that they can all be released
     when the process stops (:func:`release_all`). Bounded: the oldest entries are dropped
-    past ``limit`` (a leak of leases never released must not grow without end)."""
+    past ``limit`` (a leak of leases never released must not grow without end). Each entry
+    remembers the thread that took it: a lease another live thread holds may still guard
+    that thread's work (a body of a Celery threads pool)."""
 
     def __init__(self, limit: int = 1000) -> None:
         self.limit = limit
         self._mutex = threading.Lock()
         self._leases: OrderedDict[str, tuple[LockBackend, Lease, bool]] = OrderedDict()
+        self._threads: dict[str, threading.Thread] = {}
 
     def add(self, backend: LockBackend, lease: Lease, kept: bool = False) -> None:
         with self._mutex:
             self._leases[lease.token] = (backend, lease, kept)
+            self._threads[lease.token] = threading.current_thread()
             while len(self._leases) > self.limit:
-                self._leases.popitem(last=False)
+                token, _ = self._leases.popitem(last=False)
+                self._threads.pop(token, None)
 
     def discard(self, token: str) -> None:
         with self._mutex:
             self._leases.pop(token, None)
+            self._threads.pop(token, None)
 
-    def tokens(self) -> list[str]:
+    def tokens(self, in_use: bool = True) -> list[str]:
+        """The tokens held; with ``in_use=False``, not those in use by another thread."""
         with self._mutex:
-            return list(self._leases)
+            running = _running()
+            return [t for t in self._leases if in_use or not self._in_use(t, running)]
+
+    def backends(self) -> list[LockBackend]:
+        """The backends of the leases held."""
+        with self._mutex:
+            return [backend for backend, _, _ in self._leases.values()]
 
     def take(self, token: str) -> tuple[LockBackend, Lease, bool] | None:
         """Remove and return the entry of ``token``, if it is still held."""
         with self._mutex:
+            self._threads.pop(token, None)
             return self._leases.pop(token, None)
 
-    def drain(self, backend: LockBackend | None = None) -> list[tuple[LockBackend, Lease, bool]]:
-        """Remove and return every entry, or only those held on ``backend``."""
+    def drain(
+        self, backend: LockBackend | None = None, in_use: bool = True
+    ) -> list[tuple[LockBackend, Lease, bool]]:
+        """Remove and return every entry, or only those held on ``backend``; with
+        ``in_use=False``, not those in use by another thread (see :meth:`_in_use`)."""
         with self._mutex:
-            if backend is None:
-                items = list(self._leases.values())
-                self._leases.clear()
-                return items
-            mine = [token for token, entry in self._leases.items() if entry[0] is backend]
+            running = _running()
+            mine = [
+                token
+                for token, entry in self._leases.items()
+                if (backend is None or entry[0] is backend)
+                and (in_use or not self._in_use(token, running))
+            ]
+            for token in mine:
+                self._threads.pop(token, None)
             return [self._leases.pop(token) for token in mine]
+
+    def _in_use(self, token: str, running: set[int]) -> bool:
+        """Whether ``token``'s lease may guard work under way: held (not kept for a later
+        acquisition) by another thread that still runs (its ``id`` in ``running``). Its work
+        goes on while we release, so releasing would let another holder in beside it."""
+        thread = self._threads.get(token)
+        kept = self._leases[token][2]
+        current = threading.current_thread()
+        return not kept and thread is not None and thread is not current and id(thread) in running
+
+
+def _running() -> set[int]:
+    """The ``id`` of every thread of this process that has not ended. Not
+    ``Thread.is_alive()``: a ``join()`` interrupted by a signal handler's exception marks
+    a running thread stopped on Python 3.11 and 3.12 (its bpo-45274 fix; seen when a
+    worker's SIGQUIT interrupts its threads pool's shutdown), while the thread stays among
+    ``threading.enumerate()`` until it really ends."""
+    return {id(thread) for thread in threading.enumerate()}
 
 
 _held_here: ProcessLocal[_Held] = ProcessLocal(_Held)
@@ -97,18 +136,22 @@ def release_all(
     *,
     kept: Outcome | None = None,
     backend: LockBackend | None = None,
+    in_use: bool = True,
 ) -> list[Record]:
     """Release every lease this process holds (only those on ``backend``, when given),
     each by its own token, recorded as ``outcome`` (a lease kept alive for a later
     acquisition as ``kept``, by default the same). Failures are logged, not raised: this
     runs as the process stops. The Lock objects that held them find their leases gone
-    (their release records ``lost``).
+    (their release records ``lost``). With ``in_use=False``, a lease held by another
+    thread that still runs is left to it (a worker stopping while a body of its threads
+    pool runs: that body releases it when it ends, or, if the process ends first, the
+    store's liveness frees it).
 
     Returns:
         the records written.
     """
     records = []
-    for store, lease, was_kept in held().drain(backend):
+    for store, lease, was_kept in held().drain(backend, in_use):
         ending = (kept or outcome) if was_kept else outcome
         note = f"{details or ''} (kept for a later acquisition)".strip() if was_kept else details
         try:
@@ -130,23 +173,33 @@ def abandon(token: str, why: str) -> Record | None:
     if entry is None:
         return None
     backend, lease, _ = entry
-    message = f"lock on {lease.key!r} (fence {lease.fence}) {why}: released as abandoned"
-    warnings.warn(message, ResourceWarning, stacklevel=2)
     extra = fields("abandoned", lease, outcome=Outcome.ABANDONED, backend=backend.url)
-    logger.warning("%s", message, extra=extra)
     try:
-        return backend.release(lease, Outcome.ABANDONED, "abandoned", why)
+        record = backend.release(lease, Outcome.ABANDONED, "abandoned", why)
     except DLockError as exc:
         logger.error("cannot release %s: %s", lease.key, exc, extra=extra)
-        return None
+        record = None
+        end = "its release failed"
+    else:  # said after the release: a lease that had ended meanwhile is not "released"
+        end = "released as abandoned" if record is not None else "it had ended already"
+    message = f"lock on {lease.key!r} (fence {lease.fence}) {why}: {end}"
+    warnings.warn(message, ResourceWarning, stacklevel=2)
+    logger.warning("%s", message, extra=extra)
+    return record
 
 
 def _at_exit() -> None:
     """A process that ends normally releases what it still holds, as abandoned, and closes
-    the backends it shared (their connections would otherwise be collected open)."""
-    for token in held().tokens():
+    the backends it shared (their connections would otherwise be collected open). A lease
+    that a thread still running holds (a daemon thread, or a pool's thread the interpreter
+    did not wait for) is not released under it: the process's end frees it by the store's
+    liveness, once that thread can no longer run."""
+    for token in held().tokens(in_use=False):
         abandon(token, "was still held when the process ended")
+    in_use = {id(backend) for backend in held().backends()}  # what is left is in use
     for backend in list(_shared.get().values()):
+        if id(backend) in in_use:
+            continue  # its session keeps a running thread's lease: the process's end ends it
         try:
             backend.close()
         except Exception as exc:

@@ -409,3 +409,23 @@ def test_a_lock_without_a_store_names_the_problem() -> None:
         Lock(None, "job:x")  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="not None"), lock("job:x", backend=None):  # type: ignore[arg-type]
         pass
+
+
+def test_abandoning_a_lease_that_had_ended_says_so_and_records_nothing() -> None:
+    """At the process's end a lease still in the registry whose store had ended it already
+    (expired and taken over, forced): the warning said "released as abandoned" though no
+    release happened."""
+    from celery_dlock.process import abandon
+
+    store = MemoryBackend()
+    held = Lock(store, "job:gone", ttl=60, renew=False)
+    lease = held.acquire()
+    force_release(store, "job:gone", "operator")
+    with pytest.warns(ResourceWarning, match="it had ended already"):
+        assert abandon(lease.token, "was still held when the process ended") is None
+    assert [r.outcome for r in store.history(key="job:gone")] == [Outcome.FORCED]
+    other = Lock(store, "job:kept", ttl=60, renew=False)
+    kept = other.acquire()
+    with pytest.warns(ResourceWarning, match="released as abandoned"):
+        assert abandon(kept.token, "was still held when the process ended") is not None
+    assert [r.outcome for r in store.history(key="job:kept")] == [Outcome.ABANDONED]

@@ -41,6 +41,9 @@ def apply_policy(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> An
     policy = task.on_locked
     metrics.busy(task.name, "callable" if callable(policy) else str(policy))
     current = current_lease(lock, exc.key)
+    if isinstance(lock, Lock) and ended_own_dead_attempt(task, lock, current):
+        attempt = int(header(task.request, BUSY_HEADER) or 0)
+        return requeue(task, exc, f"{lock.key} was held by a dead attempt of this task", attempt)
     if callable(policy):  # of a set: the key found busy, not the set's joined keys
         return call_policy(task, "on_locked", exc.key, current)
     if policy == "skip":
@@ -60,6 +63,39 @@ def apply_policy(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> An
     if task.lock_retry_max is not None and attempt >= task.lock_retry_max:
         raise exc
     return requeue(task, exc, f"{lock.key} is busy", attempt)
+
+
+def ended_own_dead_attempt(task: Any, lock: Lock, current: Lease | None) -> bool:
+    """Whether ``current``, the lease on the busy key, was an earlier attempt of this very
+    request (same task id) whose process is provably gone, and is now ended by its token,
+    recorded ``disconnected``. A message redelivered because its child died (``acks_late``
+    with ``reject_on_worker_lost``) comes with no signal to the worker's parent, which
+    would release that lease; on a store whose leases live by their ttl (Redis, S3, GCS)
+    the key would stay blocked for the ttl, and the redelivery re-queued until then."""
+    request = task.request
+    if current is None or not_queued(task) or current.holder.task_id != request.id:
+        return False
+    if current.key not in lock.slots or not current.holder.is_gone():
+        return False  # a live attempt of the same id (a redelivery by visibility timeout)
+    details = (
+        f"the attempt's process is gone (holder {current.holder.describe()}); ended by the "
+        "redelivery of its message"
+    )
+    try:
+        record = lock.end(current, Outcome.DISCONNECTED, "WorkerLostError", details)
+    except BackendError:
+        return False
+    if record is None:
+        return False
+    extra = fields("dead_released", current, outcome=Outcome.DISCONNECTED)
+    logger.warning(
+        "released %s of a dead attempt of %s[%s] as disconnected",
+        current.key,
+        task.name,
+        request.id,
+        extra=extra,
+    )
+    return True
 
 
 def not_queued(task: Any) -> bool:

@@ -269,8 +269,14 @@ def _end_dead(  # noqa: PLR0917 - one dead attempt's lease and why
 
 def _shutting_down(**_: Any) -> None:
     """Warm shutdown: release what this process still holds (leases kept for a retry, or
-    a task cut short), each by its own token."""
-    release_all(Outcome.REVOKED, "WorkerShutdown", "worker shutdown", kept=Outcome.RETRIED)
+    a task cut short), each by its own token. Not a lease a body still running in another
+    thread holds: a threads pool's worker can reach its shutdown while a body runs (a cold
+    shutdown during a warm one: Celery's threads pool cannot cancel a body), and releasing
+    it would let another holder in beside that body; it ends with the body, or with the
+    process by the store's liveness."""
+    release_all(
+        Outcome.REVOKED, "WorkerShutdown", "worker shutdown", kept=Outcome.RETRIED, in_use=False
+    )
     unsettled.settle_all()  # a prefork child ends with os._exit: no exit handlers
 
 

@@ -3,7 +3,8 @@ team would write it, run by a real prefork worker.
 
 Configured by the same environment as ``workerapp`` (DLOCK_TEST_BROKER, DLOCK_TEST_RESULTS,
 DLOCK_TEST_LOCKS, DLOCK_TEST_LEDGER, DLOCK_TEST_QUEUE, DLOCK_TEST_METRICS), and
-DLOCK_TEST_RETENTION (``dlock_history_retention``, seconds).
+DLOCK_TEST_RETENTION (``dlock_history_retention``, seconds), DLOCK_TEST_NAMESPACE
+(``dlock_namespace``).
 
 The gateway is a file beside the ledger: one line per call, with the idempotency key it was
 given; like Stripe's, it charges once per idempotency key and answers the first reference
@@ -32,6 +33,7 @@ app.conf.update(
     result_backend=os.environ["DLOCK_TEST_RESULTS"],
     dlock_backend=os.environ["DLOCK_TEST_LOCKS"],
     dlock_janitor_interval=3600.0,
+    dlock_namespace=os.environ.get("DLOCK_TEST_NAMESPACE", "job"),
     dlock_history_retention=float(os.environ.get("DLOCK_TEST_RETENTION", str(30 * 86400))),
     dlock_metrics=os.environ.get("DLOCK_TEST_METRICS") == "1",
     task_default_queue=os.environ.get("DLOCK_TEST_QUEUE", "celery"),
