@@ -288,7 +288,10 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     """``until_finished``: the mark ends with the body's outcome; a Retry keeps it. With
     ``expires``, it is lengthened to ``dedupe_ttl`` as the message is taken (its run may be
     long), and again once the body lock is held (see :func:`_bound_for_retry`)."""
-    ended: tuple[Outcome, str] | None = (Outcome.SUCCEEDED, f"finished on {where}")
+    ended: tuple[Outcome, str] | tuple[Outcome, str, str] | None = (
+        Outcome.SUCCEEDED,
+        f"finished on {where}",
+    )
     expires = getattr(task.request, "expires", None)
     if expires is not None:
         _extend(task, mark, _dedupe_ttl(task))
@@ -317,7 +320,7 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
         raise
     except BaseException as exc:
         why = f"ended on {where} by {type(exc).__name__}: {exc}"
-        ended = None if _comes_back(task, exc) else (outcome_of(exc), why)
+        ended = None if _comes_back(task, exc) else (outcome_of(exc), why, type(exc).__name__)
         raise
     finally:
         task.request.dlock_on_held = None
@@ -402,7 +405,7 @@ def _run_until_started(task: Any, mark: Lease, run: Callable[[], Any], where: st
     except BaseException as exc:
         if not started and not _comes_back(task, exc):
             why = f"ended on {where} before its body started, by {type(exc).__name__}: {exc}"
-            end_mark(task, mark, outcome_of(exc), why)
+            end_mark(task, mark, outcome_of(exc), why, type(exc).__name__)
         raise
     finally:
         task.request.dlock_on_held = None
@@ -427,12 +430,15 @@ def mark_of(request: Any) -> Lease | None:
         return None
 
 
-def end_mark(task: Any, mark: Lease, outcome: Outcome, details: str) -> Record | None:
-    """Release ``mark`` by its token, recorded as ``outcome``; a mark that ended meanwhile
-    (its ttl ran out, an operator released it) is left alone. Store errors are logged:
-    the mark then ends at its ttl."""
+def end_mark(
+    task: Any, mark: Lease, outcome: Outcome, details: str, problem: str | None = None
+) -> Record | None:
+    """Release ``mark`` by its token, recorded as ``outcome`` with ``problem`` (the type of
+    the exception that ended its task); a mark that ended meanwhile (its ttl ran out, an
+    operator released it) is left alone. Store errors are logged: the mark then ends at
+    its ttl."""
     lock = Lock(settings(task.app).backend, mark.key)
-    return release_mark(lock, mark, outcome, None, details)
+    return release_mark(lock, mark, outcome, problem, details)
 
 
 def revoke_queued(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

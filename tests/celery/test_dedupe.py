@@ -134,6 +134,7 @@ def test_a_failed_body_releases_its_mark_as_failed(worker: Worker) -> None:
         result.get(timeout=60)
     [record] = marks(worker, mark_of("w.report", f"report:{who}"), 1)
     assert record.outcome is Outcome.FAILED and "ValueError" in (record.details or "")
+    assert record.problem == "ValueError"  # as a body's failed record names it
 
 
 def test_a_retry_is_the_same_logical_task_and_keeps_the_mark(worker: Worker) -> None:
