@@ -1,9 +1,9 @@
 """The janitor's work: clear leases whose holder is gone and prune old history.
 
 ``reap(backend, ...)`` runs as a singleton under the janitor's own lock, so two beats (or a
-manual ``celery dlock reap`` during a scheduled run) never reap at once, and it works in
-bounded batches. The lock's release records the run in the history, with its counts (what
-``doctor`` reads as the janitor's last run).
+manual ``celery dlock reap`` during a scheduled run) never reap at once beyond a first batch
+(below), and it works in bounded batches. The lock's release records the run in the
+history, with its counts (what ``doctor`` reads as the janitor's last run).
 
 A run on the beat schedule (``quiet_for``) first clears one batch without the lock, and
 when that cleared nothing and a run was recorded less than ``quiet_for`` seconds ago, it
@@ -68,22 +68,9 @@ def reap(
 
     def clear(records: list[Record]) -> None:
         for record in records:
-            counts["reaped"] += 1
-            metrics.reaped(record.outcome.value)
-            if record.outcome is Outcome.DISCONNECTED:
-                counts["disconnected"] += 1
-            elif record.outcome is Outcome.EXPIRED:
-                counts["expired"] += 1
+            _count(counts, record, backend.url)
             if cleared is not None:
                 cleared(record)
-            logger.warning(
-                "janitor cleared %s (fence %d, %s): %s",
-                record.key,
-                record.fence,
-                record.lease.holder.describe(),
-                record.outcome,
-                extra=fields("reaped", record.lease, outcome=record.outcome, backend=backend.url),
-            )
 
     key = janitor_key(namespace)
     batches = max_batches
@@ -115,6 +102,24 @@ def reap(
         raise
     guard.release(Outcome.SUCCEEDED, result=counts)
     return counts
+
+
+def _count(counts: dict[str, int], record: Record, url: str) -> None:
+    """Count and log ``record``, of a lease the janitor cleared."""
+    counts["reaped"] += 1
+    metrics.reaped(record.outcome.value)
+    if record.outcome is Outcome.DISCONNECTED:
+        counts["disconnected"] += 1
+    elif record.outcome is Outcome.EXPIRED:
+        counts["expired"] += 1
+    logger.warning(
+        "janitor cleared %s (fence %d, %s): %s",
+        record.key,
+        record.fence,
+        record.lease.holder.describe(),
+        record.outcome,
+        extra=fields("reaped", record.lease, outcome=record.outcome, backend=url),
+    )
 
 
 def _recorded_within(backend: LockBackend, key: str, seconds: float) -> bool:
