@@ -38,6 +38,7 @@ from celery.exceptions import Ignore
 from celery.utils.functional import maybe_list
 from celery.worker import state as worker_state
 from celery.worker.control import Panel
+from celery.worker.request import Request
 
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.busy import RETRY_HEADER, header
@@ -91,7 +92,7 @@ def install(sender: Any = None, **_: Any) -> None:
             reply = handler(state, task_id, *args, **kwargs)
             ids = {str(each) for each in maybe_list(task_id) or []}
             target = getattr(state, "app", None) or app
-            retries = _waiting_retries(ids)
+            retries = _waiting_retries(state, ids)
             if ids and target is not None and (retries or _dedupes(target)):
                 threading.Thread(
                     target=_release_revoked,
@@ -106,17 +107,35 @@ def install(sender: Any = None, **_: Any) -> None:
         Panel.data["revoke"] = revoke
 
 
-def _waiting_retries(task_ids: set[str]) -> list[Any]:
+def _waiting_retries(state: Any, task_ids: set[str]) -> list[Any]:
     """This worker's requests of ``task_ids`` not running (scheduled for their countdown, or
     reserved) that carry the token of a lease kept for them."""
     # Not ``requests`` by id: a retry's entry there goes when its first attempt ends.
-    waiting = [*worker_state.scheduled_requests, *worker_state.reserved_requests]
+    waiting = [*_scheduled(state), *worker_state.reserved_requests]
     active = set(worker_state.active_requests)
     return [
         request
         for request in waiting
         if request.id in task_ids and request not in active and kept_token(request) is not None
     ]
+
+
+def _scheduled(state: Any) -> list[Any]:
+    """This worker's requests waiting for their countdown or eta."""
+    scheduled = getattr(worker_state, "scheduled_requests", None)
+    if scheduled is not None:
+        return list(scheduled)
+    # Celery before 5.7 keeps no set of them: such a request is only an entry of the
+    # consumer's timer (``Consumer.apply_eta_task``), which ``celery inspect scheduled`` reads
+    # the same way (``celery.worker.control._iter_schedule_requests``).
+    timer = getattr(getattr(state, "consumer", None), "timer", None)
+    entries = list(getattr(getattr(timer, "schedule", None), "queue", None) or ())
+    found = []
+    for waiting in entries:
+        args = getattr(getattr(waiting, "entry", None), "args", None) or ()
+        if args and isinstance(args[0], Request):
+            found.append(args[0])
+    return found
 
 
 def _release_revoked(app: Any, task_ids: set[str], retries: list[Any]) -> None:

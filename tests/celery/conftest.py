@@ -49,6 +49,7 @@ def celery_config() -> dict[str, Any]:
         "broker_url": "memory://",
         "broker_transport_options": {"polling_interval": 0.02},
         "result_backend": "cache+memory://",
+        "broker_connection_retry_on_startup": True,  # see support.embedded_app
         "result_serializer": "json",
         "task_serializer": "json",
         "dlock_backend": STORE,

@@ -37,6 +37,9 @@ def embedded_app(name: str, store_url: str | None = None, **conf: object) -> Cel
             "task_default_queue": f"{name}-{uuid.uuid4().hex[:8]}",
             "broker_transport_options": {"polling_interval": 0.02},
             "result_backend": "cache+memory://",
+            # Celery before 5.7 warns without it as the worker connects, which the suite's
+            # filterwarnings turns into an error that stops the worker before it is ready.
+            "broker_connection_retry_on_startup": True,
             **({} if store_url is None else {"dlock_backend": store_url}),
             **conf,
         }

@@ -10,6 +10,7 @@ import os
 import signal
 import uuid
 
+import celery
 import pytest
 import redis
 
@@ -38,6 +39,13 @@ def _tidy(worker: Worker, key: str, *queues: str) -> None:
     redis.Redis(host="127.0.0.1", port=6379, db=BROKER_DB).delete(*queues)
 
 
+@pytest.mark.xfail(
+    celery.VERSION < (5, 7),
+    reason="Celery before 5.7 gives a dead child's parent no request (celery/celery#9720): "
+    "it releases the mark held under the task id, a newer message's here (signals.py)",
+    raises=AssertionError,
+    strict=True,
+)
 def test_a_dead_childs_parent_leaves_the_mark_of_a_newer_message_with_the_same_id(
     worker: Worker,
 ) -> None:
