@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+import celery
 from billiard.exceptions import WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
@@ -300,4 +301,17 @@ def _end_mark_of_task_id(
         return None
     if mark is None or mark.holder.task_id != task_id:
         return None
+    global _warned_by_task_id
+    if not _warned_by_task_id:  # once per process: each such release is logged anyway
+        _warned_by_task_id = True
+        logger.warning(
+            "Celery %s gives a dead child's parent no request (celery/celery#9720): the dedupe "
+            "mark of %s[%s] is released by its task id, which with task ids you reuse may be "
+            "a newer message's mark; Celery 5.7 or later releases the message's own",
+            celery.__version__, task.name, task_id, extra=fields("mark_by_task_id", mark),
+        )  # fmt: skip
     return dedupe.release_mark(lock, mark, outcome, None, details)
+
+
+#: Whether this process warned that it released a dedupe mark by its task id.
+_warned_by_task_id = False

@@ -44,6 +44,7 @@ from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, stored_result
 from celery_dlock.celery.policies import call_policy
+from celery_dlock.celery.retries import retry_arguments
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
 from celery_dlock.errors import (
     AlreadySucceededError,
@@ -434,13 +435,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         """Whether the retry that ``retry(*args, **options)`` sends locks ``key`` again (its
         arguments may name another key: then the lease is released, not kept)."""
         given = dict(zip(("args", "kwargs"), args, strict=False)) | options
-        retry_args = given.get("args")
-        retry_kwargs = given.get("kwargs")
+        inherited = (tuple(self.request.args or ()), dict(self.request.kwargs or {}))
+        sent = retry_arguments(self.run, inherited, given.get("args"), given.get("kwargs"))
         try:
-            keys = self.lock_keys_for(
-                tuple(self.request.args or ()) if retry_args is None else tuple(retry_args),
-                dict(self.request.kwargs or {}) if retry_kwargs is None else dict(retry_kwargs),
-            )
+            keys = self.lock_keys_for(*sent)
         except LockKeyError:
             return False
         return keys == [key]

@@ -256,6 +256,14 @@ def paginate(self: Any, run: str, cursor: int) -> int:
     return cursor
 
 
+@shared_task(base=LockedTask, bind=True, name="t.resume", lock_key="resume:{run}")
+def resume(self: Any, run: str, step: int) -> int:
+    note(self, run, step=step)
+    if step < 1:  # a positional call retried with keywords: the same key
+        raise self.retry(kwargs={"run": run, "step": step + 1}, countdown=0.1)
+    return step
+
+
 @shared_task(base=LockedTask, bind=True, name="t.retry_soon", lock_key="soon:{run}")
 def retry_soon(self: Any, run: str) -> None:
     note(self, run)

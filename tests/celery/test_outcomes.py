@@ -219,6 +219,27 @@ def test_a_retry_with_arguments_of_another_key_releases_the_lease(store: MemoryB
         assert outcomes(store, key) == [outcome]
 
 
+@pytest.mark.skipif(
+    celery.VERSION < (5, 7),
+    reason="Celery before 5.7 sends retry(kwargs=...) of a positional call with both "
+    "(celery/celery#6494) and rejects it itself, with or without celery-dlock",
+)
+@pytest.mark.usefixtures("app")
+def test_a_retry_given_keywords_for_a_positional_call_keeps_the_lease_of_its_key(
+    store: MemoryBackend,
+) -> None:
+    """Celery 5.7 merges ``retry(kwargs=...)`` into a positional call's arguments: the retry
+    locks the same key. The lease was released (``retried``) instead of kept for it: the
+    key was judged by the old positional and the new keyword values at once, which no call
+    can take, so ``lock_across_retries`` left a gap between the attempts."""
+    run = new_run()
+    assert tasks.resume.delay(run, 0).get(timeout=20) == 1
+    key = f"job:resume:{run}"
+    assert outcomes(store, key) == [Outcome.RETRIED, Outcome.SUCCEEDED]
+    retried, _ = reversed(store.history(key=key))
+    assert (retried.details or "").startswith("continued by its retry"), retried.details
+
+
 @pytest.mark.usefixtures("app")
 def test_a_direct_call_that_retries_releases_its_lease(store: MemoryBackend) -> None:
     # A direct call sends no retry: keeping the lease for one blocked the key for 5 minutes.
