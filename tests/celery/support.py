@@ -14,8 +14,13 @@ from celery.worker import WorkController
 
 from celery_dlock import (
     Outcome,
+    backend_from_url,
 )
 from celery_dlock.backends.memory import MemoryBackend
+from tests.backends.stores.redis import URL as REDIS_STORE
+from tests.backends.stores.redis import delete_prefix, store_url
+from tests.support import unavailable
+from tests.support.services import POSTGRES_URL
 
 
 def new_run() -> str:
@@ -93,3 +98,28 @@ def embedded_worker(
         _state.set_default_app(previous)
         if thread.is_alive():
             raise RuntimeError(f"the embedded worker did not stop in {shutdown_timeout} s")
+
+
+@contextmanager
+def own_store(kind: str, name: str, **redis_options: object) -> Iterator[str]:
+    """The URL of a lock store of the caller's own, removed at the end: ``kind``
+    ``"postgres"`` (a schema ``dlock_<name>_<run>``, migrated) or ``"redis"`` (a prefix
+    ``<name>-<run>``, with ``redis_options`` in the URL)."""
+    run = uuid.uuid4().hex[:8]
+    if kind == "redis":
+        prefix = f"{name}-{run}"
+        yield store_url(prefix, REDIS_STORE, **redis_options)
+        delete_prefix(REDIS_STORE, prefix)
+        return
+    try:
+        import psycopg
+    except ImportError:
+        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
+    schema = f"dlock_{name}_{run}"
+    url = f"{POSTGRES_URL}?schema={schema}"
+    backend = backend_from_url(url)
+    backend.migrate()  # type: ignore[attr-defined]
+    backend.close()
+    yield url
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
+        connection.execute(f'drop schema if exists "{schema}" cascade')

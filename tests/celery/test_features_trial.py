@@ -26,13 +26,10 @@ from celery_dlock import (
     backend_from_url,
 )
 from celery_dlock.backends.base import LockBackend
-from tests.backends.stores.redis import URL as REDIS_STORE
-from tests.backends.stores.redis import delete_prefix, store_url
 from tests.celery import features_trial_app as trial
 from tests.celery.features_trial_app import SEEN, Audited, Charge, Flaky
-from tests.celery.support import embedded_worker
-from tests.support import eventually, unavailable
-from tests.support.services import POSTGRES_URL
+from tests.celery.support import embedded_worker, own_store
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -41,24 +38,8 @@ pytestmark = pytest.mark.slow
 def store_url_of(request: pytest.FixtureRequest) -> Iterator[str]:
     """A lock store of this module's own: Postgres in a schema of its own, or Redis under a
     prefix of its own."""
-    run = uuid.uuid4().hex[:8]
-    if request.param == "redis":
-        prefix = f"features-{run}"
-        yield store_url(prefix, REDIS_STORE)
-        delete_prefix(REDIS_STORE, prefix)
-        return
-    try:
-        import psycopg
-    except ImportError:
-        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
-    schema = f"dlock_features_{run}"
-    url = f"{POSTGRES_URL}?schema={schema}"
-    backend = backend_from_url(url)
-    backend.migrate()  # type: ignore[attr-defined]
-    backend.close()
-    yield url
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
-        connection.execute(f'drop schema if exists "{schema}" cascade')
+    with own_store(request.param, "features") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -127,28 +127,34 @@ def test_a_quiet_run_does_not_prune_and_a_recorded_one_does(url: str, opened: Op
     assert backend.history(key="job:old") == []
 
 
-def test_janitors_at_once_clear_and_record_each_dead_lease_once(url: str, opened: Opener) -> None:
+def janitors_at_once(url: str, opened: Opener, dead: int, batch: int) -> None:
+    """Four janitors, each of its own client (another worker process's), clear ``dead``
+    expired leases at once: each lease is cleared and recorded once, none is left."""
     backend = opened(url)
     reap(backend, quiet_for=3600)
-    dead = dead_leases(backend, 12)
+    leases = dead_leases(backend, dead)
     start = threading.Barrier(4)
     results: list[dict[str, int]] = []
 
     def janitor() -> None:
-        own = opened(url)  # a janitor of another worker process, by its own client
+        own = opened(url)
         start.wait()
-        results.append(reap(own, batch=5, quiet_for=3600))
+        results.append(reap(own, batch=batch, quiet_for=3600))
 
     threads = [threading.Thread(target=janitor) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=60)
+        thread.join(timeout=120)
     assert len(results) == 4
-    assert sum(counts["reaped"] for counts in results) == 12
-    for lease in dead:
+    assert sum(counts["reaped"] for counts in results) == dead
+    for lease in leases:
         assert [r.outcome for r in backend.history(key=lease.key)] == [Outcome.EXPIRED]
         assert backend.get(lease.key) is None
+
+
+def test_janitors_at_once_clear_and_record_each_dead_lease_once(url: str, opened: Opener) -> None:
+    janitors_at_once(url, opened, dead=12, batch=5)
 
 
 def test_the_beat_task_runs_quietly_and_the_cli_run_is_always_recorded(
@@ -172,25 +178,4 @@ def test_janitors_at_once_on_an_object_store_record_each_dead_lease_once(
 ) -> None:
     """S3 and GCS: a reap's write is conditional on the object it read; four janitors at
     once each clear their first batch without the lock."""
-    url = object_server.url(unique_prefix())
-    backend = opened(url)
-    reap(backend, quiet_for=3600)
-    dead = dead_leases(backend, 8)
-    start = threading.Barrier(4)
-    results: list[dict[str, int]] = []
-
-    def janitor() -> None:
-        own = opened(url)
-        start.wait()
-        results.append(reap(own, batch=3, quiet_for=3600))
-
-    threads = [threading.Thread(target=janitor) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert len(results) == 4
-    assert sum(counts["reaped"] for counts in results) == 8
-    for lease in dead:
-        assert [r.outcome for r in backend.history(key=lease.key)] == [Outcome.EXPIRED]
-        assert backend.get(lease.key) is None
+    janitors_at_once(object_server.url(unique_prefix()), opened, dead=8, batch=3)

@@ -19,12 +19,10 @@ from typing import Any
 
 import pytest
 
-from celery_dlock import Outcome, backend_from_url
-from tests.backends.stores.redis import URL as REDIS_STORE
-from tests.backends.stores.redis import delete_prefix, store_url
+from celery_dlock import Outcome
 from tests.celery.prefork import HERE, Worker, running
-from tests.support import eventually, unavailable
-from tests.support.services import POSTGRES_URL
+from tests.celery.support import own_store
+from tests.support import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -58,24 +56,8 @@ class PoolWorker(Worker):
 def store_url_of(request: pytest.FixtureRequest) -> Iterator[str]:
     """A lock store of this module's own: Postgres (session liveness) in a schema of its
     own, or Redis under a prefix of its own."""
-    run = uuid.uuid4().hex[:8]
-    if request.param == "redis":
-        prefix = f"pools-{run}"
-        yield store_url(prefix, REDIS_STORE, ttl=3)
-        delete_prefix(REDIS_STORE, prefix)
-        return
-    try:
-        import psycopg
-    except ImportError:
-        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
-    schema = f"dlock_pools_{run}"
-    url = f"{POSTGRES_URL}?schema={schema}"
-    backend = backend_from_url(url)
-    backend.migrate()  # type: ignore[attr-defined]
-    backend.close()
-    yield url
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
-        connection.execute(f'drop schema if exists "{schema}" cascade')
+    with own_store(request.param, "pools", ttl=3) as url:
+        yield url
 
 
 def pool_worker(tmp: Path, redis_url: str, lock_url: str, options: str) -> Any:
