@@ -85,3 +85,8 @@ def test_an_exclusive_test_runs_alone_while_the_others_run_side_by_side(tmp_path
     assert together == []
     # ...while the shared ones did run side by side (the check above could fail).
     assert any(overlap(a, b) for a in shared for b in shared if a is not b)
+    # The exclusive tests ran first, one after the other: one wait for both (at most for the
+    # other process's first test), and no other test between them.
+    block = {"start": min(a["start"] for a in alone), "end": max(a["end"] for a in alone)}
+    assert [r["name"] for r in shared if overlap(r, block)] == []
+    assert len([r for r in shared if r["start"] < block["start"]]) <= 1  # the other process's first
