@@ -159,7 +159,7 @@ class Lock:
     @property
     def lost(self) -> bool:
         """True once background renewal found the lease gone, or its session ended."""
-        return self._session_ended if self._renewer is None else self._renewer.lost.is_set()
+        return self._session_ended if self._renewer is None else self._renewer.lost
 
     def acquire(
         self,

@@ -55,3 +55,27 @@ def test_a_lease_held_past_its_first_renewal_is_still_renewed_after_compactions(
         )
         names = [t.name for t in threading.enumerate() if t.name.startswith("dlock-renew:")]
         assert renewed and names == ["dlock-renew:job:long"]
+
+
+def test_a_lease_due_before_the_threads_next_wake_is_renewed_in_time() -> None:
+    """The heap's thread is woken only by a lease due before it would wake anyway: after
+    leases of a 600 s ttl it sleeps for 200 s, and a lease of a 3 s ttl taken then must still
+    be renewed within its ttl, not lost."""
+    backend = MemoryBackend()
+    for n in range(50):
+        with lock(f"job:slow:{n}", backend, ttl=600):
+            pass
+    held = Lock(backend, "job:quick", ttl=3)
+    lease = held.acquire()
+    try:
+        renewed = eventually(
+            lambda: [
+                current
+                for current in [backend.get("job:quick")]
+                if current is not None and current.expires_at > lease.expires_at
+            ],
+            "the lease renewed",
+        )
+        assert renewed[0].fence == lease.fence and not held.lost
+    finally:
+        held.release()
