@@ -75,6 +75,9 @@ def __getattr__(name: str) -> int:
 class Worker:
     """A `celery worker --pool=prefork` subprocess and what it writes."""
 
+    #: Its ``--loglevel`` (a test that reads the pool's debug lines sets ``DEBUG``).
+    loglevel = "INFO"
+
     def __init__(self, tmp: Path, redis_url: str, lock_url: str, **env: str) -> None:
         self.ledger = tmp / "ledger.jsonl"
         self.ledger.touch()
@@ -115,11 +118,15 @@ class Worker:
     #: The module (beside this file) of the app the worker runs.
     module = "workerapp"
 
+    def pool_options(self) -> list[str]:
+        """The ``celery worker`` options of its pool (a subclass tries other pools)."""
+        return ["--pool=prefork"]
+
     def start(self, concurrency: int = 4) -> Worker:
         args = [
-            sys.executable, "-m", "celery", "-A", self.module, "worker",
-            "--pool=prefork", f"--concurrency={concurrency}", "--without-gossip",
-            "--without-mingle", "--without-heartbeat", "--loglevel=INFO", f"--queues={self.queue}",
+            sys.executable, "-m", "celery", "-A", self.module, "worker", *self.pool_options(),
+            f"--concurrency={concurrency}", "--without-gossip", "--without-mingle",
+            "--without-heartbeat", f"--loglevel={self.loglevel}", f"--queues={self.queue}",
             f"--hostname={self.hostname}",
         ]  # fmt: skip
         with open(self.log, "ab") as log:

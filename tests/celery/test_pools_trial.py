@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 import pytest
 
 from celery_dlock import Outcome
-from tests.celery.prefork import HERE, Worker, running
+from tests.celery.prefork import Worker, running
 from tests.celery.support import own_store
 from tests.support import eventually
 
@@ -32,24 +30,9 @@ class PoolWorker(Worker):
     ``DLOCK_TEST_POOL_ARGS`` (space-separated ``celery worker`` options)."""
 
     module = "pools_trial_app"
-    loglevel = "INFO"
 
-    def start(self, concurrency: int = 4) -> PoolWorker:
-        options = self.env.get("DLOCK_TEST_POOL_ARGS", "--pool=threads").split()
-        args = [
-            sys.executable, "-m", "celery", "-A", self.module, "worker", *options,
-            f"--concurrency={concurrency}", "--without-gossip", "--without-mingle",
-            "--without-heartbeat", f"--loglevel={self.loglevel}", f"--queues={self.queue}",
-            f"--hostname={self.hostname}",
-        ]  # fmt: skip
-        with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(args, env=self.env, stdout=log, stderr=log, cwd=HERE)
-        eventually(
-            lambda: self.app.control.ping(destination=[self.hostname], timeout=0.5),
-            "worker ready",
-            timeout=60,
-        )
-        return self
+    def pool_options(self) -> list[str]:
+        return self.env.get("DLOCK_TEST_POOL_ARGS", "--pool=threads").split()
 
 
 @pytest.fixture(scope="module", params=["postgres", "redis"])
