@@ -10,12 +10,18 @@ Variants, interleaved round by round, each with a fresh `worker --pool=prefork -
 - ``advisory_one_trip`` (with ``--store postgres``): one raw statement per task that unlocks
   the previous task's key and locks this one: the floor of a lock whose release is deferred
   to the next acquire (one round trip per task, the key held until the next task comes).
+- ``redis_floor`` (with ``--store redis``): ``SET NX PX`` and a Lua compare-and-delete
+  around the body, with redis-py: what any Redis lock taken in the worker that releases by
+  its token costs at least (celery-singleton's ``DEL`` checks no token).
 - ``celery-once`` and ``celery-singleton`` (if installed): their locks, for comparison.
 Throughput = N / (first send → the N-th body has run); each body is one Redis INCR.
 Target (issue 4): LockedTask ≥ 0.92× plain; on this machine type celery-singleton reached
 0.90× and celery-once 0.81× (shared/notes/anchor-benchmarks.md, table C). Issue 14:
 LockedTask ≥ 0.95× the raw advisory pair (``--store postgres``) and ≥ 1.0× celery-singleton
-(``--store redis``), paired per round; run ``--rounds 10`` or more.
+(``--store redis``), paired per round; run ``--rounds 10`` or more. The raw Redis token lock
+(``redis_floor``) itself reached 0.99× celery-singleton on 2026-11-27 (0.96–1.03, 10 rounds):
+a lock taken in the worker and released by its token, before any fence or record, costs what
+celery-singleton's ``SET NX`` in the producer and bare ``DEL`` cost.
 
 Each run also counts the CPU time that the same window cost: the worker and its children,
 every ``postgres`` and ``redis-server`` process (broker, lock stores, anchors' Redis) and the
@@ -154,6 +160,8 @@ def main() -> None:
     variants = ["plain", "locked"]
     if options.store == "postgres":
         variants += ["advisory_floor", "advisory_one_trip"]
+    if options.store == "redis":
+        variants.append("redis_floor")
     for optional, module in (("once", "celery_once"), ("singleton", "celery_singleton")):
         try:
             __import__(module)
@@ -188,6 +196,7 @@ def report(
     names = {"plain": "plain Celery", "locked": f"LockedTask ({store})",
              "advisory_floor": "raw pg advisory lock/unlock (floor of any Postgres lock)",
              "advisory_one_trip": "raw pg advisory, one statement per task (deferred unlock)",
+             "redis_floor": "raw Redis SET NX PX + compare-and-delete (floor of a token lock)",
              "once": "celery-once", "singleton": "celery-singleton"}  # fmt: skip
     for variant in variants:
         ratios = [r / p for r, p in zip(rates[variant], rates["plain"], strict=True)]
@@ -231,6 +240,22 @@ def report(
             f"one raw advisory statement per task (a release deferred to the next acquire, "
             f"nothing written) is {one_trip:.2f}× plain"
         )
+
+    if "redis_floor" in rates:
+        to_floor = [r / f for r, f in zip(rates["locked"], rates["redis_floor"], strict=True)]
+        floor = statistics.median(
+            f / p for f, p in zip(rates["redis_floor"], rates["plain"], strict=True)
+        )
+        print(
+            f"the raw Redis token lock is {floor:.2f}× plain; LockedTask reaches "
+            f"{statistics.median(to_floor):.2f}× it, paired ({min(to_floor):.2f}–"
+            f"{max(to_floor):.2f}), while also writing the fence and the history record"
+        )
+        if "singleton" in rates:
+            floor_to_peer = statistics.median(
+                f / s for f, s in zip(rates["redis_floor"], rates["singleton"], strict=True)
+            )
+            print(f"the raw Redis token lock / celery-singleton, paired = {floor_to_peer:.2f}")
 
     if "singleton" in rates:
         to_peer = [r / s for r, s in zip(rates["locked"], rates["singleton"], strict=True)]

@@ -8,6 +8,7 @@ Every body is one Redis INCR, as in the anchors.
 from __future__ import annotations
 
 import os
+import uuid
 from typing import Any
 
 import redis
@@ -64,6 +65,23 @@ def advisory_floor(i: int) -> None:
     connection.execute("SELECT pg_try_advisory_lock(%s)", (i,))
     counter.incr("bench:done")
     connection.execute("SELECT pg_advisory_unlock(%s)", (i,))
+
+
+#: KEYS: the key | ARGV: the token | 1 if deleted, else 0 (the key is another holder's).
+_release_floor = counter.register_script(
+    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+)
+
+
+@app.task(name="bench.redis_floor")
+def redis_floor(i: int) -> None:
+    """The floor of any Redis lock taken in the worker that releases by its token:
+    ``SET NX PX`` and a Lua compare-and-delete (two round trips, no fence, no record) around
+    the same body, in the Redis of the LockedTask store."""
+    key, token = f"bench:floor:{i}", uuid.uuid4().hex
+    counter.set(key, token, nx=True, px=60_000)
+    counter.incr("bench:done")
+    _release_floor(keys=[key], args=[token])
 
 
 _previous: dict[int, int] = {}
