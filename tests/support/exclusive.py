@@ -15,7 +15,7 @@ at ``DLOCK_TEST_GATE``, a path prefix); without xdist nothing ever waits. A plug
 
 Each exclusive test costs the run its own time on one process and, before it, the wait for the
 tests running beside it to end (the other processes idle meanwhile): a CI run spent about 200 s
-of its 700 in those waits, its 18 exclusive tests coming one by one among the others. Under
+of its 700 in those waits, its 24 exclusive tests coming one by one among the others. Under
 xdist the exclusive tests are collected first, then the heavy ones (pytest-xdist hands each
 process a first chunk of the collection in order, so they land on one and run one after
 another), and a process keeps the gate from one exclusive test to the next: one wait in all.
