@@ -144,9 +144,13 @@ class _FirstRenewals:
     """
 
     def __init__(self) -> None:
+        self._order = itertools.count()
+        self._empty()
+
+    def _empty(self) -> None:
+        """No lease queued, and no thread yet: the one started by the next :meth:`add`."""
         self._due: list[tuple[float, int, Renewer]] = []
         self._stopped = 0  # entries in ``_due`` of renewers stopped before their turn
-        self._order = itertools.count()
         self._changed = threading.Condition()
         self._pid = 0
         self._wakes = math.inf  # when the thread wakes by itself (guarded by ``_changed``)
@@ -199,12 +203,7 @@ class _FirstRenewals:
         have been held at the fork)."""
         for _, _, renewer in self._due:
             renewer._queued = False
-        self._due = []
-        self._stopped = 0
-        self._changed = threading.Condition()
-        self._pid = 0
-        self._wakes = math.inf
-        self._idle = math.inf
+        self._empty()
 
 
 _first_renewals = _FirstRenewals()

@@ -49,6 +49,9 @@ __all__ = ["connect", "release_dead_attempt"]
 
 logger = logging.getLogger("celery_dlock.signals")
 
+#: Whether this process warned that it released a dedupe mark by its task id.
+_warned_by_task_id = False
+
 #: How long the parent waits for a signalled child to die before leaving it to the janitor.
 DEATH_WAIT = 10.0
 
@@ -311,7 +314,3 @@ def _end_mark_of_task_id(
             celery.__version__, task.name, task_id, extra=fields("mark_by_task_id", mark),
         )  # fmt: skip
     return dedupe.release_mark(lock, mark, outcome, None, details)
-
-
-#: Whether this process warned that it released a dedupe mark by its task id.
-_warned_by_task_id = False

@@ -14,9 +14,7 @@ fails.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,13 +29,13 @@ from celery_dlock import (
     BackendError,
     Holder,
     LockedTask,
-    backend_from_url,
     install,
 )
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.celery.settings import forget_settings
 from tests.celery import prefork
 from tests.celery.prefork import Worker, running
+from tests.celery.support import own_store
 from tests.support import unavailable
 
 STORE = "memory://celery-tests"
@@ -108,24 +106,8 @@ def lock_url(
     if request.param == "file":
         yield f"file://{tmp_path_factory.mktemp('locks')}"
         return
-    if importlib.util.find_spec("psycopg") is None:
-        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
-    import psycopg
-
-    schema = f"dlock_prefork_{uuid.uuid4().hex[:8]}"
-    base = "postgresql://postgres@127.0.0.1:5432/test"
-    try:
-        with psycopg.connect(base, connect_timeout=3, autocommit=True) as connection:
-            connection.execute("select 1")
-    except psycopg.Error as exc:
-        unavailable(f"PostgreSQL is not reachable on 127.0.0.1:5432 ({exc})")
-    url = f"{base}?schema={schema}"
-    backend = backend_from_url(url)
-    backend.migrate()  # type: ignore[attr-defined]
-    backend.close()
-    yield url
-    with psycopg.connect(base, autocommit=True) as connection:
-        connection.execute(f'drop schema if exists "{schema}" cascade')
+    with own_store("postgres", "prefork") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

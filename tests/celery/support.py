@@ -19,8 +19,7 @@ from celery_dlock import (
 from celery_dlock.backends.memory import MemoryBackend
 from tests.backends.stores.redis import URL as REDIS_STORE
 from tests.backends.stores.redis import delete_prefix, store_url
-from tests.support import unavailable
-from tests.support.services import POSTGRES_URL
+from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin
 
 
 def new_run() -> str:
@@ -111,15 +110,12 @@ def own_store(kind: str, name: str, **redis_options: object) -> Iterator[str]:
         yield store_url(prefix, REDIS_STORE, **redis_options)
         delete_prefix(REDIS_STORE, prefix)
         return
-    try:
-        import psycopg
-    except ImportError:
-        unavailable("psycopg is not installed: pip install 'celery-dlock[postgres]'")
+    postgres_admin().close()  # not installed, or not reachable: a visible skip
     schema = f"dlock_{name}_{run}"
     url = f"{POSTGRES_URL}?schema={schema}"
     backend = backend_from_url(url)
     backend.migrate()  # type: ignore[attr-defined]
     backend.close()
     yield url
-    with psycopg.connect(POSTGRES_URL, autocommit=True) as connection:
-        connection.execute(f'drop schema if exists "{schema}" cascade')
+    with postgres_admin() as admin:
+        drop_schema(admin, schema)
