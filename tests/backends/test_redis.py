@@ -273,10 +273,22 @@ def test_acquire_release_and_renew_take_one_round_trip_each(
 BATCH = 10
 
 
+def load_reap_scripts(prefix: str) -> None:
+    """Load the reap's scripts on the server, by a reap of one expired lease of namespace
+    ``prefix`` (scripts are the server's): after a ``SCRIPT FLUSH``, a counted reap would
+    send each script again after its ``NOSCRIPT``."""
+    warm = open_backend(prefix)
+    assert warm.try_acquire("job:warm", holder(), 0.05) is not None
+    time.sleep(0.2)  # expired on Redis's clock
+    assert len(warm.reap(limit=10)) == 1
+    warm.close()
+
+
 @pytest.mark.exclusive  # SCRIPT FLUSH on the shared server: others would meet NOSCRIPT
 def test_reap_clears_a_batch_of_expired_leases_in_two_round_trips(
     proxy: CountingProxy, prefix: str, raw: Any
 ) -> None:
+    load_reap_scripts(f"{prefix}-warm")
     backend = open_backend(prefix, via(proxy))
     me = holder()
 
