@@ -49,11 +49,11 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
 from celery_dlock.backends.base import LockBackend
-from celery_dlock.celery.outcomes import outcome_of
+from celery_dlock.celery.outcomes import outcome_of, replaced_by
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.revoking import (
     RevokedBeforeStart,
@@ -321,6 +321,8 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     except BaseException as exc:
         why = f"ended on {where} by {type(exc).__name__}: {exc}"
         ended = None if _comes_back(task, exc) else (outcome_of(exc), why, type(exc).__name__)
+        if isinstance(exc, Ignore) and (handed := replaced_by(task.request)) is not None:
+            ended = (Outcome.SUCCEEDED, f"{handed}; on {where}")
         raise
     finally:
         task.request.dlock_on_held = None

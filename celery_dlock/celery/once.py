@@ -15,13 +15,13 @@ import logging
 from typing import Any
 
 from celery_dlock.celery.busy import store_failed
-from celery_dlock.celery.outcomes import replayed
+from celery_dlock.celery.outcomes import REPLACED, replayed
 from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.records import Outcome, Record, describe_exception
 
-__all__ = ["kept_success", "replay"]
+__all__ = ["continues", "kept_success", "replay"]
 
 logger = logging.getLogger("celery_dlock.task")
 
@@ -43,10 +43,26 @@ def kept_success(task: Any, lock: Lock) -> Record | None:
     return store_failed(task, failure)  # raises Retry (re-queued), or failure (no queue)
 
 
+def continues(request: Any, previous: Record) -> bool:
+    """Whether ``request`` goes on with the run that kept ``previous`` rather than repeating
+    it: ``previous`` was handed to a replacement (``Task.replace``, which sends it under the
+    same task id, one ``replaced_task_nesting`` deeper, in the same workflow), and
+    ``request`` is that replacement or a step of a chain that replaced it. A duplicate
+    (another root) and a redelivery of the replaced message (its own nesting) are not."""
+    stored = previous.result
+    handed = stored.get(REPLACED) if isinstance(stored, dict) else None
+    if not isinstance(handed, dict):
+        return False
+    nesting = getattr(request, "replaced_task_nesting", 0) or 0
+    root = getattr(request, "root_id", None) or request.id
+    return bool(nesting >= handed.get("nesting", 0) > 0 and root == handed.get("root_id"))
+
+
 def replay(lock: Lock, previous: Record) -> Any:
     """End this run as ``skipped`` and return the kept result of ``previous``, even when the
     store refuses the release: the effect is known to be done, and failing the duplicate
-    would tell its caller otherwise."""
+    would tell its caller otherwise. A run handed to a replacement kept no value: its
+    duplicates return None (the result is the replacement's, under the first task's id)."""
     lease = lock.lease
     details = (
         f"once: already succeeded (fence {previous.fence}, task "

@@ -13,9 +13,12 @@ from kombu.utils import json as kombu_json
 from celery_dlock.events import fields
 from celery_dlock.records import Outcome
 
-__all__ = ["outcome_of", "replayed", "stored_result"]
+__all__ = ["REPLACED", "outcome_of", "replaced_by", "replacement", "replayed", "stored_result"]
 
 logger = logging.getLogger("celery_dlock.task")
+
+#: The field of a kept success whose run was handed to a replacement (``Task.replace``).
+REPLACED = "replaced"
 
 
 def outcome_of(exc: BaseException) -> Outcome:
@@ -51,6 +54,26 @@ def stored_result(task_name: str, result: Any) -> dict[str, Any]:
         )
         return {"value": None, "unstored": type(result).__qualname__}
     return {"value": value}
+
+
+def replaced_by(request: Any) -> str | None:
+    """What the running ``request``'s body handed its run to with ``Task.replace`` (the
+    signature was sent, then Celery raised ``Ignore``), described; None when it did not."""
+    sig = getattr(request, "dlock_replaced_by", None)
+    if sig is None:
+        return None
+    name = getattr(sig, "name", None) or type(sig).__name__
+    return f"replaced by {name}: its result comes under task id {request.id}"
+
+
+def replacement(request: Any) -> dict[str, Any]:
+    """What a ``once`` success kept by a body that replaced itself holds: no value (the
+    result is the replacement's, under the task's own id), and what tells the replacement
+    (and the steps of a chain replacing it) from a duplicate: its ``replaced_task_nesting``
+    and the workflow's root id (:func:`~celery_dlock.celery.once.continues`)."""
+    nesting = (getattr(request, "replaced_task_nesting", 0) or 0) + 1
+    root = getattr(request, "root_id", None) or request.id
+    return {"value": None, REPLACED: {"nesting": nesting, "root_id": root}}
 
 
 def _not_json(constant: str) -> Any:

@@ -35,14 +35,14 @@ from typing import Any, ClassVar
 
 from celery import Task
 from celery._state import _task_stack
-from celery.exceptions import Reject, Retry
+from celery.exceptions import Ignore, Reject, Retry
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import busy, dedupe, once, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
-from celery_dlock.celery.outcomes import outcome_of, stored_result
+from celery_dlock.celery.outcomes import outcome_of, replaced_by, replacement, stored_result
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.retries import retry_arguments
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
@@ -334,7 +334,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         previous = once.kept_success(self, lock) if self.once else None
-        if previous is not None:
+        if previous is not None and not once.continues(self.request, previous):
             return once.replay(lock, previous)
         try:
             result = self.run(*args, **kwargs)
@@ -359,6 +359,15 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             named = LockLostError(held.key, held.fence, "renew")  # on_lock_lost="raise": a class
             self._finish(lock, Outcome.FAILED, named.with_traceback(exc.__traceback__))
             raise named from None
+        except Ignore as exc:
+            if (handed := replaced_by(self.request)) is None:
+                self._finish(lock, outcome_of(exc), exc)
+                raise
+            # The body ended by sending its replacement: a success (for once too: a
+            # duplicate must not run the body again and send a second replacement).
+            kept = replacement(self.request) if self.once else None
+            self._finish(lock, Outcome.SUCCEEDED, None, kept, details=handed)
+            raise
         except BaseException as exc:
             self._finish(lock, outcome_of(exc), exc)
             raise
@@ -376,11 +385,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         outcome: Outcome,
         exc: BaseException | None,
         result: Any = None,
+        details: str | None = None,
     ) -> None:
         lease = lock.lease
         if lease is None:
             return
-        problem, details = (None, None) if exc is None else describe_exception(exc)
+        problem, details = (None, details) if exc is None else describe_exception(exc)
         if isinstance(exc, Reject):
             details = f"requeue={exc.requeue}: {details}"
         try:
@@ -412,6 +422,15 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         # Cover the wait for the retry with a backstop TTL, even on stores whose liveness is
         # a session: if the retry never comes, the key frees itself.
         lock.keep(float(countdown) + RETRY_GRACE)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's ``Task.replace`` sending ``sig`` in this run's place (under the task's
+        own id) and raising ``Ignore``: the run is recorded ``succeeded``, naming ``sig``,
+        and a ``once`` task keeps that success (its duplicates return None, and do not run
+        the body again); ``sig`` itself, on the same key, goes on (``once.continues``)."""
+        if not self.request.is_eager and getattr(self.request, "dlock_lock", None) is not None:
+            self.request.dlock_replaced_by = sig
+        return super().on_replace(sig)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
         """Celery's ``retry()``; with ``lock_across_retries`` the next attempt gets the

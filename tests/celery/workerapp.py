@@ -19,7 +19,7 @@ if not __package__:
     # first on sys.path, as pytest's `pythonpath = ["."]` puts it, for `tests.support`.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.support.workerapps import kill_if_asked, ledger, locked_task, worker_app
+from tests.support.workerapps import kill_if_asked, ledger, locked_task, worker_app, write_event
 
 app = worker_app("workerapp")
 
@@ -184,3 +184,35 @@ def transfer(self: Any, source: str, target: str, n: int) -> list[str]:
     time.sleep(0.005)
     ledger("end", self, keys=[lease.key for lease in self.leases], n=n)
     return [lease.key for lease in self.leases]
+
+
+@locked_task(app, "w.invoice", lock_key="invoice:{order_id}", once=True)
+def invoice(self: Any, order_id: str) -> Any:
+    """Writes the invoice (the effect), then hands the mailing to another task."""
+    ledger("start", self)
+    ledger("end", self)
+    return self.replace(mail.s(order_id))
+
+
+@app.task(shared=False, bind=True, name="w.mail")
+def mail(self: Any, order_id: str) -> str:
+    write_event("mail", self, key=None, order_id=order_id)
+    return f"mailed {order_id}"
+
+
+@locked_task(app, "w.paged", lock_key="paged:{customer}", once=True)
+def paged(self: Any, customer: str, page: int, last: int) -> Any:
+    """Syncs one page, then replaces itself with the next page's run, on the same key."""
+    ledger("start", self, page=page)
+    ledger("end", self, page=page)
+    if page < last:
+        return self.replace(paged.s(customer, page + 1, last))
+    return {"pages": page}
+
+
+@locked_task(app, "w.handed", lock_key="handed:{customer}", dedupe="until_finished")
+def handed(self: Any, customer: str) -> Any:
+    """Queued under a dedupe mark until it ends: by handing its run to the mailing."""
+    ledger("start", self)
+    ledger("end", self)
+    return self.replace(mail.s(customer))
