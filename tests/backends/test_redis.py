@@ -222,6 +222,87 @@ def test_processes_that_split_a_namespace_differently_are_refused(
         backend.close()
 
 
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for a test's asyncio calls: its connections claim the layout once."""
+    running = asyncio.new_event_loop()
+    yield running
+    running.run_until_complete(running.shutdown_asyncgens())
+    running.close()
+
+
+def acquire(
+    backend: RedisBackend, api: str, key: str, loop: asyncio.AbstractEventLoop
+) -> Lease | None:
+    """``try_acquire`` through the blocking client, or the asyncio one on ``loop``."""
+    if api == "threads":
+        return backend.try_acquire(key, holder(), 60)
+    store = backend.async_store()
+    assert store is not None
+    return loop.run_until_complete(store.try_acquire(key, holder(), 60))
+
+
+@pytest.mark.parametrize("api", ["threads", "asyncio"])
+def test_a_process_that_saw_the_data_lost_is_refused_by_a_split_claimed_since(
+    prefix: str, raw: Any, api: str, loop: asyncio.AbstractEventLoop
+) -> None:
+    """Redis lost its data, the layout's marker with it; a process started since with
+    another ``buckets`` claimed it. A process that claimed before the loss must not grant
+    on the new data under its own split: both would hold one lock. It claims again when it
+    meets the new epoch (its quarantine grants nothing meanwhile), and is refused."""
+    old = open_backend(prefix, restart_delay=5)
+    assert acquire(old, api, "job:order:1", loop) is not None  # the epoch is seen
+    delete_prefix(URL, prefix)  # what FLUSHDB or a restart without persistence does to it
+    new = open_backend(prefix, buckets=4, restart_delay=0)  # grants at once, however new
+    assert new.try_acquire("job:order:2", holder(), 60) is not None  # its claim: buckets=4
+    assert raw.get(Layout(prefix).marker) == b"buckets=4"
+    with pytest.raises(ConfigurationError, match="buckets=4"):
+        acquire(old, api, "job:order:2", loop)  # the loss met: quarantined, and claimed again
+    with pytest.raises(ConfigurationError, match="buckets=4"):
+        acquire(old, api, "job:order:3", loop)  # and every acquire after it
+    assert raw.get(Layout(prefix).marker) == b"buckets=4"
+    for backend in (old, new):
+        backend.close()
+
+
+@pytest.mark.parametrize("api", ["threads", "asyncio"])
+def test_a_process_that_saw_the_data_lost_claims_its_split_again_first(
+    prefix: str, raw: Any, api: str, loop: asyncio.AbstractEventLoop
+) -> None:
+    """The same loss, met by the old process before a process with another split comes:
+    its claim is back, and the newcomer is refused."""
+    old = open_backend(prefix, restart_delay=5)
+    assert acquire(old, api, "job:order:1", loop) is not None
+    delete_prefix(URL, prefix)
+    assert acquire(old, api, "job:order:2", loop) is None  # quarantined, and claimed again
+    assert raw.get(Layout(prefix).marker) == b"buckets=1"
+    new = open_backend(prefix, buckets=4, restart_delay=5)
+    with pytest.raises(ConfigurationError, match="buckets=1"):
+        new.try_acquire("job:order:2", holder(), 60)
+    for backend in (old, new):
+        backend.close()
+
+
+def test_a_grant_that_met_the_loss_is_released_when_the_claim_is_refused(
+    prefix: str, raw: Any
+) -> None:
+    """With ``restart_delay=0`` no quarantine holds the grant back: the reply that tells
+    of the loss grants the lease. Refused by the new split, the process releases it."""
+    old = open_backend(prefix, restart_delay=0)
+    assert old.try_acquire("job:order:1", holder(), 60) is not None
+    delete_prefix(URL, prefix)
+    new = open_backend(prefix, buckets=4, restart_delay=0)
+    assert new.try_acquire("job:order:9", holder(), 60) is not None
+    with pytest.raises(ConfigurationError, match="buckets=4"):
+        old.try_acquire("job:order:2", holder(), 60)
+    assert raw.get(Layout(prefix).names("job:order:2").lock) is None  # not held
+    [record] = old.history(key="job:order:2")
+    assert record.outcome is Outcome.FAILED and record.problem is not None
+    assert record.problem.endswith("ConfigurationError")
+    for backend in (old, new):
+        backend.close()
+
+
 # -- round trips ---------------------------------------------------------------------------------
 
 

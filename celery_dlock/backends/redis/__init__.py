@@ -113,7 +113,7 @@ from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import ACQUIRE, DUE, EXPIRE, PEEK, PROBE, RELEASE, RENEW
 from celery_dlock.backends.redis.url import parse_url
 from celery_dlock.errors import BackendError, ConfigurationError
-from celery_dlock.records import Holder, Lease, Outcome, Record
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["RedisBackend"]
 
@@ -202,6 +202,8 @@ class RedisBackend(LockBackend):
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
+        if self.calls.refused is not None:
+            raise ConfigurationError(self.calls.refused)
         connections = self._client.connections()
         if connections.doubtful:
             self._settle(connections, key)
@@ -213,7 +215,23 @@ class RedisBackend(LockBackend):
         except BackendError as exc:
             doubt(connections.doubtful, exc, key, tokens)
             raise
-        return self.calls.acquired(key, holder, tokens[-1], reply)
+        lease = self.calls.acquired(key, holder, tokens[-1], reply)
+        if self.calls.lost_data:
+            self._claim_again(lease)
+        return lease
+
+    def _claim_again(self, lease: Lease | None) -> None:
+        """Redis lost its data (an acquire met a new epoch), the layout's marker with it:
+        claim it again before a lease is granted on the new data (the loss's quarantine
+        grants none), so that a process started since with another ``buckets`` is refused,
+        or refuses this one. A lease that reply granted all the same (``restart_delay=0``)
+        is released if this one is refused."""
+        try:
+            self.calls.judge(self._client.claim())
+        except ConfigurationError as exc:
+            if lease is not None:
+                self.release(lease, Outcome.FAILED, *describe_exception(exc))
+            raise
 
     def _settle(self, connections: Wire, acquiring: str) -> None:
         """Release the leases of acquires whose reply was lost, recorded ``disconnected``,

@@ -32,8 +32,8 @@ from celery_dlock.backends.redis.client import AMBIGUOUS, Client, backoff, doubt
 from celery_dlock.backends.redis.fields import lease_from_state
 from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import ACQUIRE, PEEK, PROBE, RELEASE, RENEW, Script
-from celery_dlock.errors import BackendError
-from celery_dlock.records import Holder, Lease, Outcome, Record
+from celery_dlock.errors import BackendError, ConfigurationError
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
 
 __all__ = ["AsyncRedis"]
 
@@ -235,6 +235,8 @@ class AsyncRedis:
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
+        if self._calls.refused is not None:
+            raise ConfigurationError(self._calls.refused)
         connections = self._connections()
         await self._settle(connections, key)  # the error is this acquire's
         tokens, count, tail, again = self._calls.acquire_call(key, holder, ttl, replace)
@@ -251,7 +253,26 @@ class AsyncRedis:
             with contextlib.suppress(BackendError):
                 await self._settle(connections, key)
             raise
-        return self._calls.acquired(key, holder, tokens[-1], reply)
+        lease = self._calls.acquired(key, holder, tokens[-1], reply)
+        if self._calls.lost_data:
+            await self._claim_again(lease)
+        return lease
+
+    async def _claim_again(self, lease: Lease | None) -> None:
+        """``RedisBackend._claim_again`` on this loop's connections."""
+        claim = self._calls.layout.claim()
+        try:
+            found = await self._connections().send(bulks(claim), len(claim))
+        except ResponseError:
+            found = None  # as the first claim: an ACL or a replica refused it
+        except RedisError as exc:
+            raise self._client.error("claim", None, exc) from exc
+        try:
+            self._calls.judge(found)
+        except ConfigurationError as exc:
+            if lease is not None:
+                await self.release(lease, Outcome.FAILED, *describe_exception(exc))
+            raise
 
     async def _settle(self, connections: _LoopConnections, key: str) -> None:
         """Release the leases of acquires whose reply was lost, recorded ``disconnected``

@@ -17,6 +17,7 @@ from celery_dlock.backends.common import retried_details, taken_over
 from celery_dlock.backends.redis.fields import encode_json, holder_json, optional_seconds
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.resp import bulks
+from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["FALLBACK", "TURN", "Calls", "ms"]
@@ -82,6 +83,12 @@ class Calls:
         self._ttls: dict[float | None, bytes] = {}
         # The epoch seen per bucket: knowledge, not a resource, so a forked child keeps it.
         self._epochs: dict[bytes, bytes] = {}
+        #: Whether an acquire met a new epoch since the layout was last claimed: Redis lost
+        #: its data, the layout's marker with it (the store claims it again).
+        self.lost_data = False
+        #: Why this process may not acquire: the layout claimed again after a loss found
+        #: another split (``judge``); None while it may.
+        self.refused: str | None = None
         self._holder: tuple[Holder, bytes] | None = None
         self._segments: dict[tuple[str, int], bytes] = {}
 
@@ -167,11 +174,34 @@ class Calls:
             token = earlier.decode()
         else:
             if parts[-1] != b"-":
-                self._epochs[self.layout.names(key).epoch] = parts[-1]
+                self._saw(self.layout.names(key).epoch, parts[-1])
             if len(parts) == 2:
                 return None
             fence, acquired, expires, _ = parts
         return Lease(key, token, int(fence), holder, float(acquired), optional_seconds(expires))
+
+    def _saw(self, name: bytes, epoch: bytes) -> None:
+        """Keep the ``epoch`` an acquire's reply names for its bucket; one that differs from
+        the epoch seen before is a loss of Redis's data (the scripts begin a new epoch)."""
+        seen = self._epochs.get(name)
+        if seen is not None and seen != epoch:
+            self.lost_data = True
+        self._epochs[name] = epoch
+
+    def judge(self, found: object) -> None:
+        """Judge the reply of the layout's claim sent again after a loss of data: another
+        split found refuses every acquire of this process from now on (its leases on the
+        new data, none, it may still release); the same or none ends the doubt.
+
+        Raises:
+            ConfigurationError: another process claimed another split since the loss.
+        """
+        try:
+            self.layout.check(found)
+        except ConfigurationError as exc:
+            self.refused = str(exc)
+            raise
+        self.lost_data = False
 
     def settle_call(self, key: str, token: str) -> tuple[Sequence[bytes], list[Any]]:
         """Keys and arguments of the ``RELEASE`` that ends the lease of an acquire whose

@@ -290,6 +290,19 @@ class Client:
             wire.close()
             raise
 
+    def claim(self) -> Any:
+        """The layout's claim sent again (after a loss of Redis's data): its reply, for
+        ``Calls.judge``; None when Redis refuses the command (an ACL, a replica), which the
+        first claim leaves to the doctor too."""
+        if self._claim is None:
+            return None
+        try:
+            return self._local.get().call(*self._claim)
+        except ResponseError:
+            return None
+        except RedisError as exc:
+            raise self.error("claim", None, exc) from exc
+
     def connections(self) -> Wire:
         """This process's connections (made afresh after a fork)."""
         return self._local.get()

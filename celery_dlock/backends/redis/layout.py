@@ -22,8 +22,11 @@ the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
 
 Processes whose ``buckets`` differ name one lock by different keys, so both would hold it:
 each process records its count in ``{prefix}:layout`` at its first call (``SET NX GET``),
-and one that finds another count refuses to work (:meth:`Layout.check`). To change
-``buckets``, stop every process of the namespace and delete that key.
+and one that finds another count refuses to work (:meth:`Layout.check`). The key goes
+when Redis loses its data: a process claims it again when an acquire meets the loss (a new
+epoch), before it may grant on the new data, and refuses to acquire if a process started
+since claimed another count (``Calls.judge``). To change ``buckets``, stop every process
+of the namespace and delete that key.
 """
 
 from __future__ import annotations
