@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from celery_dlock.celery.busy import store_failed
-from celery_dlock.celery.outcomes import REPLACED, replayed
+from celery_dlock.celery.outcomes import REPLACED, lineage, replayed
 from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
@@ -53,8 +53,7 @@ def continues(request: Any, previous: Record) -> bool:
     handed = stored.get(REPLACED) if isinstance(stored, dict) else None
     if not isinstance(handed, dict):
         return False
-    nesting = getattr(request, "replaced_task_nesting", 0) or 0
-    root = getattr(request, "root_id", None) or request.id
+    nesting, root = lineage(request)
     return bool(nesting >= handed.get("nesting", 0) > 0 and root == handed.get("root_id"))
 
 

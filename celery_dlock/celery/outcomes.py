@@ -13,7 +13,15 @@ from kombu.utils import json as kombu_json
 from celery_dlock.events import fields
 from celery_dlock.records import Outcome
 
-__all__ = ["REPLACED", "outcome_of", "replaced_by", "replacement", "replayed", "stored_result"]
+__all__ = [
+    "REPLACED",
+    "lineage",
+    "outcome_of",
+    "replaced_by",
+    "replacement",
+    "replayed",
+    "stored_result",
+]
 
 logger = logging.getLogger("celery_dlock.task")
 
@@ -71,9 +79,15 @@ def replacement(request: Any) -> dict[str, Any]:
     result is the replacement's, under the task's own id), and what tells the replacement
     (and the steps of a chain replacing it) from a duplicate: its ``replaced_task_nesting``
     and the workflow's root id (:func:`~celery_dlock.celery.once.continues`)."""
-    nesting = (getattr(request, "replaced_task_nesting", 0) or 0) + 1
-    root = getattr(request, "root_id", None) or request.id
-    return {"value": None, REPLACED: {"nesting": nesting, "root_id": root}}
+    nesting, root = lineage(request)
+    return {"value": None, REPLACED: {"nesting": nesting + 1, "root_id": root}}
+
+
+def lineage(request: Any) -> tuple[int, str]:
+    """How many replacements deep ``request`` runs (Celery's ``replaced_task_nesting``),
+    and the id of its workflow's root (its own id for a message sent by itself)."""
+    nesting = getattr(request, "replaced_task_nesting", 0) or 0
+    return nesting, getattr(request, "root_id", None) or request.id
 
 
 def _not_json(constant: str) -> Any:
