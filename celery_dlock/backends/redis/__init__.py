@@ -202,9 +202,9 @@ class RedisBackend(LockBackend):
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        if self.calls.refused is not None:
-            raise ConfigurationError(self.calls.refused)
         connections = self._client.connections()
+        if self.calls.refused is not None:
+            self._claim_again(None, connections)  # refused until the marker is ours again
         if connections.doubtful:
             self._settle(connections, key)
         tokens, count, tail, again = self.calls.acquire_call(key, holder, ttl, replace)
@@ -217,20 +217,25 @@ class RedisBackend(LockBackend):
             raise
         lease = self.calls.acquired(key, holder, tokens[-1], reply)
         if self.calls.lost_data:
-            self._claim_again(lease)
+            self._claim_again(lease, connections)
         return lease
 
-    def _claim_again(self, lease: Lease | None) -> None:
+    def _claim_again(self, lease: Lease | None, connections: Wire) -> None:
         """Redis lost its data (an acquire met a new epoch), the layout's marker with it:
         claim it again before a lease is granted on the new data (the loss's quarantine
         grants none), so that a process started since with another ``buckets`` is refused,
         or refuses this one. A lease that reply granted all the same (``restart_delay=0``)
-        is released if this one is refused."""
+        is released if this one is refused, and once Redis answers if the claim failed:
+        no caller holds it."""
         try:
             self.calls.judge(self._client.claim())
         except ConfigurationError as exc:
             if lease is not None:
                 self.release(lease, Outcome.FAILED, *describe_exception(exc))
+            raise
+        except BackendError:
+            if lease is not None:
+                connections.doubtful.append((lease.key, lease.token))
             raise
 
     def _settle(self, connections: Wire, acquiring: str) -> None:

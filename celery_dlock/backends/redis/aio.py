@@ -235,9 +235,9 @@ class AsyncRedis:
         replace: str | None = None,
         place: Place | None = None,
     ) -> Lease | None:
-        if self._calls.refused is not None:
-            raise ConfigurationError(self._calls.refused)
         connections = self._connections()
+        if self._calls.refused is not None:
+            await self._claim_again(None, connections)  # refused until the marker is ours
         await self._settle(connections, key)  # the error is this acquire's
         tokens, count, tail, again = self._calls.acquire_call(key, holder, ttl, replace)
         try:
@@ -255,17 +255,19 @@ class AsyncRedis:
             raise
         lease = self._calls.acquired(key, holder, tokens[-1], reply)
         if self._calls.lost_data:
-            await self._claim_again(lease)
+            await self._claim_again(lease, connections)
         return lease
 
-    async def _claim_again(self, lease: Lease | None) -> None:
+    async def _claim_again(self, lease: Lease | None, connections: _LoopConnections) -> None:
         """``RedisBackend._claim_again`` on this loop's connections."""
         claim = self._calls.layout.claim()
         try:
-            found = await self._connections().send(bulks(claim), len(claim))
+            found = await connections.send(bulks(claim), len(claim))
         except ResponseError:
             found = None  # as the first claim: an ACL or a replica refused it
         except RedisError as exc:
+            if lease is not None:
+                connections.doubtful.append((lease.key, lease.token))
             raise self._client.error("claim", None, exc) from exc
         try:
             self._calls.judge(found)

@@ -83,11 +83,13 @@ class Calls:
         self._ttls: dict[float | None, bytes] = {}
         # The epoch seen per bucket: knowledge, not a resource, so a forked child keeps it.
         self._epochs: dict[bytes, bytes] = {}
-        #: Whether an acquire met a new epoch since the layout was last claimed: Redis lost
-        #: its data, the layout's marker with it (the store claims it again).
+        #: Whether an acquire met an epoch not seen before since the layout was last
+        #: claimed: a new one (Redis lost its data, the layout's marker with it) or a
+        #: bucket's first, which cannot tell a loss from a first use (the store claims the
+        #: marker again).
         self.lost_data = False
         #: Why this process may not acquire: the layout claimed again after a loss found
-        #: another split (``judge``); None while it may.
+        #: another split (``judge``); None while it may (each acquire claims again till then).
         self.refused: str | None = None
         self._holder: tuple[Holder, bytes] | None = None
         self._segments: dict[tuple[str, int], bytes] = {}
@@ -182,16 +184,19 @@ class Calls:
 
     def _saw(self, name: bytes, epoch: bytes) -> None:
         """Keep the ``epoch`` an acquire's reply names for its bucket; one that differs from
-        the epoch seen before is a loss of Redis's data (the scripts begin a new epoch)."""
-        seen = self._epochs.get(name)
-        if seen is not None and seen != epoch:
+        the epoch seen before is a loss of Redis's data (the scripts begin a new epoch). So
+        is a bucket's first, maybe: a process that saw no epoch of it before the loss (it
+        only read, released or renewed, or used other buckets) cannot tell, and a process
+        with another split may have claimed the lost marker meanwhile."""
+        if self._epochs.get(name) != epoch:
             self.lost_data = True
         self._epochs[name] = epoch
 
     def judge(self, found: object) -> None:
         """Judge the reply of the layout's claim sent again after a loss of data: another
-        split found refuses every acquire of this process from now on (its leases on the
-        new data, none, it may still release); the same or none ends the doubt.
+        split found refuses every acquire of this process (its leases on the new data, none,
+        it may still release) until a claim finds the same or none (the operator stopped
+        the other split and deleted the marker), which ends the doubt and the refusal.
 
         Raises:
             ConfigurationError: another process claimed another split since the loss.
@@ -202,6 +207,7 @@ class Calls:
             self.refused = str(exc)
             raise
         self.lost_data = False
+        self.refused = None
 
     def settle_call(self, key: str, token: str) -> tuple[Sequence[bytes], list[Any]]:
         """Keys and arguments of the ``RELEASE`` that ends the lease of an acquire whose

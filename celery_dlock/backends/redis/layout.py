@@ -23,10 +23,13 @@ the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
 Processes whose ``buckets`` differ name one lock by different keys, so both would hold it:
 each process records its count in ``{prefix}:layout`` at its first call (``SET NX GET``),
 and one that finds another count refuses to work (:meth:`Layout.check`). The key goes
-when Redis loses its data: a process claims it again when an acquire meets the loss (a new
-epoch), before it may grant on the new data, and refuses to acquire if a process started
-since claimed another count (``Calls.judge``). To change ``buckets``, stop every process
-of the namespace and delete that key.
+when Redis loses its data: a process claims it again when an acquire meets an epoch it has
+not seen (a new one after the loss, or a bucket's first, which cannot tell a loss from a
+first use), and refuses to acquire while another count is claimed (``Calls.judge``; each
+acquire then claims again, so that it works again once the key is its own). To change
+``buckets``, stop every process of the namespace and delete that key. Not covered: in a
+Redis Cluster with ``buckets`` > 1 the key's slot is no bucket's, so a node that loses it
+alone shows no new epoch to the processes (tests/backends/test_redis_layout_trial.py).
 """
 
 from __future__ import annotations
