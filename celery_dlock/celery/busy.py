@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 from celery.exceptions import Retry
 
 from celery_dlock import metrics
+from celery_dlock.celery.outcomes import lineage
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.errors import BackendError, LockNotAcquiredError
 from celery_dlock.events import fields
@@ -19,7 +20,9 @@ from celery_dlock.records import Lease, Outcome
 
 __all__ = [
     "BUSY_HEADER",
+    "PREDECESSOR_WAIT",
     "RETRY_HEADER",
+    "after_predecessor",
     "apply_policy",
     "current_lease",
     "header",
@@ -33,6 +36,8 @@ logger = logging.getLogger("celery_dlock.task")
 RETRY_HEADER = "dlock_lease"
 #: Message header counting re-queues for a busy key (not Celery's own ``retries``).
 BUSY_HEADER = "dlock_busy"
+#: Seconds a replacement waits for the run it replaces to release their key.
+PREDECESSOR_WAIT = 10.0
 
 
 def apply_policy(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> Any:
@@ -63,6 +68,23 @@ def apply_policy(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> An
     if task.lock_retry_max is not None and attempt >= task.lock_retry_max:
         raise exc
     return requeue(task, exc, f"{lock.key} is busy", attempt)
+
+
+def after_predecessor(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> bool:
+    """Whether this run, a replacement (``Task.replace``) that found its key held by the run
+    it replaces (its own task id: that run sends it, then releases), took the key by waiting
+    up to :data:`PREDECESSOR_WAIT` for that release. A sibling child may take the message
+    at once; it must not be re-queued, skipped or failed for its own predecessor."""
+    if not isinstance(lock, Lock) or not lineage(task.request)[0]:
+        return False
+    current = current_lease(lock, exc.key)
+    if current is None or current.holder.task_id != task.request.id:
+        return False
+    try:
+        lock.acquire(PREDECESSOR_WAIT)
+    except (LockNotAcquiredError, BackendError):  # the policy then, as for any busy key
+        return False
+    return True
 
 
 def ended_own_dead_attempt(task: Any, lock: Lock, current: Lease | None) -> bool:

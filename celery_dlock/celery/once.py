@@ -48,13 +48,18 @@ def continues(request: Any, previous: Record) -> bool:
     it: ``previous`` was handed to a replacement (``Task.replace``, which sends it under the
     same task id, one ``replaced_task_nesting`` deeper, in the same workflow), and
     ``request`` is that replacement or a step of a chain that replaced it. A duplicate
-    (another root) and a redelivery of the replaced message (its own nesting) are not."""
+    (another root), a redelivery of the replaced message (its own nesting) and a later
+    step of the chain the replaced run was in (Celery appends them to the replacement)
+    are not."""
     stored = previous.result
     handed = stored.get(REPLACED) if isinstance(stored, dict) else None
     if not isinstance(handed, dict):
         return False
     nesting, root = lineage(request)
-    return bool(nesting >= handed.get("nesting", 0) > 0 and root == handed.get("root_id"))
+    later = request.id in (handed.get("later") or ())  # a later step of the replaced run's chain
+    return bool(
+        nesting >= handed.get("nesting", 0) > 0 and root == handed.get("root_id") and not later
+    )
 
 
 def replay(lock: Lock, previous: Record) -> Any:

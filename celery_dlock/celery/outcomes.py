@@ -77,10 +77,18 @@ def replaced_by(request: Any) -> str | None:
 def replacement(request: Any) -> dict[str, Any]:
     """What a ``once`` success kept by a body that replaced itself holds: no value (the
     result is the replacement's, under the task's own id), and what tells the replacement
-    (and the steps of a chain replacing it) from a duplicate: its ``replaced_task_nesting``
-    and the workflow's root id (:func:`~celery_dlock.celery.once.continues`)."""
+    (and the steps of a chain replacing it) from a duplicate: its ``replaced_task_nesting``,
+    the workflow's root id and the ids of this task's later steps in the chain the run was
+    in (:func:`~celery_dlock.celery.once.continues`)."""
     nesting, root = lineage(request)
-    return {"value": None, REPLACED: {"nesting": nesting + 1, "root_id": root}}
+    # Celery appends the steps of the chain the run was in to its replacement, one nesting
+    # deeper like it: those of this task are later runs, not the replacement.
+    later = [
+        step.get("options", {}).get("task_id")
+        for step in getattr(request, "chain", None) or ()
+        if step.get("task") == getattr(request, "task", None)
+    ]
+    return {"value": None, REPLACED: {"nesting": nesting + 1, "root_id": root, "later": later}}
 
 
 def lineage(request: Any) -> tuple[int, str]:

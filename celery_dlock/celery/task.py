@@ -302,7 +302,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             else:
                 lock.acquire()
         except LockNotAcquiredError as exc:
-            return busy.apply_policy(self, lock, exc)
+            if not busy.after_predecessor(self, lock, exc):
+                return busy.apply_policy(self, lock, exc)
         except BackendError as exc:
             if current.on_backend_error == "run":
                 logger.warning(

@@ -1,0 +1,152 @@
+"""The app of tests/celery/test_replace_trial.py's prefork worker: ``LockedTask`` bodies that
+hand their run to a replacement (``Task.replace``): a chain, a group, themselves (page by
+page), from several keys, from a key's slots, around retries, with a busy key.
+
+Configured by environment as ``workerapp`` is (:func:`tests.support.workerapps.worker_app`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if not __package__:
+    # A top-level module of a worker run in tests/celery: the tree's root goes first on
+    # sys.path, as pytest's `pythonpath = ["."]` puts it, for `tests.support`.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from celery import chain, group
+
+from celery_dlock import LockedTask
+from tests.support.workerapps import ledger, locked_task, worker_app, write_event
+
+app = worker_app("replace_trial_app")
+
+
+class SlowHandOver(LockedTask):
+    """A task whose own ``on_replace`` does some work after Celery's (a log, a metric):
+    half a second between the replacement's sending and the end of the run."""
+
+    abstract = True
+
+    def on_replace(self, sig: Any) -> Any:
+        try:
+            return super().on_replace(sig)
+        finally:
+            time.sleep(0.5)
+
+
+@app.task(shared=False, bind=True, name="r.note")
+def note(self: Any, order: str, tag: str) -> str:
+    """The effect a replacement has: one event, the tag and order back."""
+    write_event("note", self, key=None, order=order, tag=tag)
+    return f"{tag} {order}"
+
+
+@locked_task(app, "r.chained", lock_key="chained:{order}", once=True)
+def chained(self: Any, order: str, step: int = 0) -> Any:
+    """Step 0 hands its run to a chain whose middle step is this task on the same key."""
+    ledger("start", self, step=step)
+    ledger("end", self, step=step)
+    if step == 0:
+        return self.replace(chain(note.si(order, "a"), chained.si(order, 1), note.si(order, "b")))
+    return f"step {step}"
+
+
+@locked_task(app, "r.fanout", lock_key="fanout:{order}", once=True)
+def fanout(self: Any, order: str) -> Any:
+    """Hands its run to a group (Celery makes it a chord)."""
+    ledger("start", self)
+    ledger("end", self)
+    return self.replace(group(note.si(order, str(n)) for n in range(3)))
+
+
+@locked_task(app, "r.inchain", lock_key="inchain:{order}", once=True)
+def inchain(self: Any, order: str) -> Any:
+    """A step of a chain that hands its run to the note ``r``."""
+    ledger("start", self)
+    ledger("end", self)
+    return self.replace(note.si(order, "r"))
+
+
+@locked_task(app, "r.deep", lock_key="deep:{customer}", once=True)
+def deep(self: Any, customer: str, page: int, last: int, *, pause: float, later: float) -> Any:
+    """One page, then the next page's run on the same key, sent ``later`` seconds on."""
+    ledger("start", self, page=page, nesting=self.request.replaced_task_nesting)
+    time.sleep(pause)
+    ledger("end", self, page=page)
+    if page < last:
+        nxt = deep.si(customer, page + 1, last, pause=pause, later=later)
+        return self.replace(nxt.set(countdown=later) if later else nxt)
+    return {"pages": page}
+
+
+@locked_task(
+    app,
+    "r.skipping",
+    base=SlowHandOver,
+    lock_key="skipping:{customer}",
+    once=True,
+    on_locked="skip",
+)
+def skipping(self: Any, customer: str, page: int, last: int) -> Any:
+    """``deep`` with ``on_locked="skip"``: a page that finds its key held is skipped."""
+    ledger("start", self, page=page)
+    ledger("end", self, page=page)
+    if page < last:
+        return self.replace(skipping.si(customer, page + 1, last))
+    return {"pages": page}
+
+
+@locked_task(app, "r.queued", lock_key="queued:{customer}", once=True, dedupe="until_finished")
+def queued(self: Any, customer: str, page: int, last: int) -> Any:
+    """``skipping`` queued under a dedupe mark until it ends."""
+    ledger("start", self, page=page)
+    ledger("end", self, page=page)
+    if page < last:
+        return self.replace(queued.si(customer, page + 1, last))
+    return {"pages": page}
+
+
+@locked_task(app, "r.moved", lock_key=["account:{src}", "account:{dst}"])
+def moved(self: Any, src: str, dst: str) -> Any:
+    """Holds two keys, then hands its run to the note."""
+    write_event("start", self, keys=[lease.key for lease in self.leases])
+    return self.replace(note.si(src, "moved"))
+
+
+@locked_task(app, "r.exported", lock_key="export:{tenant}", lock_limit=2)
+def exported(self: Any, tenant: str) -> Any:
+    """Holds one of two slots, then hands its run to the note."""
+    ledger("start", self)
+    return self.replace(note.si(tenant, "exported"))
+
+
+@locked_task(
+    app,
+    "r.flaky",
+    lock_key="flaky:{order}",
+    once=True,
+    autoretry_for=(ValueError,),
+    max_retries=3,
+    default_retry_delay=0,
+)
+def flaky(self: Any, order: str) -> Any:
+    """Fails its first attempt (autoretry), then hands its run to the note."""
+    ledger("start", self, retries=self.request.retries)
+    if self.request.retries == 0:
+        raise ValueError("first attempt fails")
+    return self.replace(note.si(order, "flaky"))
+
+
+@locked_task(app, "r.retrying", lock_key="retrying:{order}", once=True, max_retries=3)
+def retrying(self: Any, order: str, step: int = 0) -> Any:
+    """Step 0 hands its run to step 1 on the same key, which retries once, then returns."""
+    ledger("start", self, step=step, retries=self.request.retries)
+    if step == 0:
+        return self.replace(retrying.si(order, 1))
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return f"done {order}"
