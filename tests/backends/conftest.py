@@ -7,6 +7,7 @@ such module; a store whose server is missing calls ``tests.support.unavailable``
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import pkgutil
@@ -114,3 +115,12 @@ def postgres_backend(schema: str) -> Iterator[Any]:
         yield backend
     finally:
         backend.close()
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """One event loop for a test's asyncio calls: its connections claim the layout once."""
+    running = asyncio.new_event_loop()
+    yield running
+    running.run_until_complete(running.shutdown_asyncgens())
+    running.close()

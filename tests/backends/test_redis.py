@@ -222,15 +222,6 @@ def test_processes_that_split_a_namespace_differently_are_refused(
         backend.close()
 
 
-@pytest.fixture
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    """One event loop for a test's asyncio calls: its connections claim the layout once."""
-    running = asyncio.new_event_loop()
-    yield running
-    running.run_until_complete(running.shutdown_asyncgens())
-    running.close()
-
-
 def acquire(
     backend: RedisBackend, api: str, key: str, loop: asyncio.AbstractEventLoop
 ) -> Lease | None:

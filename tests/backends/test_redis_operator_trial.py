@@ -18,7 +18,7 @@ from celery_dlock.backends import backend_from_url
 pytest.importorskip("redis")
 
 from celery_dlock.backends.redis import RedisBackend
-from tests.backends.test_redis_server import RedisServer
+from tests.backends.test_redis_server import RedisServer, private_redis
 from tests.support import eventually
 from tests.support.countingproxy import CountingProxy
 from tests.support.redis_cluster import Cluster, start_cluster
@@ -148,14 +148,8 @@ def test_a_lease_whose_slot_is_migrating_is_read_refused_cleanly_then_released(
 
 @pytest.fixture
 def private_server() -> Iterator[RedisServer]:
-    directory = Path(tempfile.mkdtemp(prefix="dlock-many-"))
-    server = RedisServer(directory)
-    try:
-        server.start()
+    with private_redis("dlock-many-") as server:
         yield server
-    finally:
-        server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_listing_many_leases_takes_a_round_trip_per_batch_not_per_lease(

@@ -105,10 +105,12 @@ class RedisServer:
         self.start()
 
 
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
+@contextlib.contextmanager
+def private_redis(prefix: str = "dlock-redis-") -> Iterator[RedisServer]:
+    """A started :class:`RedisServer` in a temporary directory named ``prefix...``,
+    stopped and removed at the end."""
     # A short path: unix socket paths are limited to ~107 bytes.
-    directory = Path(tempfile.mkdtemp(prefix="dlock-redis-"))
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
     private = RedisServer(directory)
     try:
         private.start()
@@ -116,6 +118,12 @@ def server() -> Iterator[RedisServer]:
     finally:
         private.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with private_redis() as private:
+        yield private
 
 
 def holder() -> Holder:
