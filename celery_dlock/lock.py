@@ -359,16 +359,17 @@ class Lock:
         outcome = outcome if type(outcome) is Outcome else Outcome(outcome)
         return Ending(self.detach(), outcome, problem, details, result, reported)
 
-    def record_success(self, connection: Any, result: Any) -> Record:
+    def record_success(self, connection: Any, result: Any, task_name: str | None = None) -> Record:
         """Keep this lease's success (``result``) for ``once`` inside the caller's own
         transaction on ``connection``, so that it commits or rolls back with the caller's
-        writes (Postgres store, on the store's own database).
+        writes (Postgres store, on the store's own database); under ``task_name`` rather
+        than the holder's.
 
         Raises:
             AlreadySucceededError: another success is kept already; roll back.
             ConfigurationError: the store cannot, or ``connection`` does not reach it.
         """
-        lease = self._require_lease()
+        lease = self._require_lease().for_task(task_name)
         record = Record(lease, time.time(), Outcome.SUCCEEDED, None, None, result)
         self.backend.record_success(connection, record)
         return record

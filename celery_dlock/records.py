@@ -12,7 +12,7 @@ import json
 import os
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from functools import lru_cache
 from typing import Any
@@ -233,6 +233,13 @@ class Lease:
     def metadata(self) -> dict[str, Any] | None:
         """What the holder said about this hold (``Lock(..., metadata=...)``), or None."""
         return self.holder.metadata
+
+    def for_task(self, task_name: str | None) -> Lease:
+        """This lease with its holder's ``task_name`` replaced (the name a success is kept
+        under for ``once``); itself for None."""
+        if task_name is None:
+            return self
+        return replace(self, holder=replace(self.holder, task_name=task_name))
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from celery_dlock import metrics
 from celery_dlock.backends import mask_url
@@ -30,9 +30,19 @@ from celery_dlock.records import (
     truncate_utf8,
 )
 
-__all__ = ["Ending", "Unsettled", "end_block", "release", "release_success", "settle", "unsettled"]
+__all__ = [
+    "Ending",
+    "Unsettled",
+    "end_block",
+    "release",
+    "release_success",
+    "remember_success",
+    "settle",
+    "unsettled",
+]
 
 logger = logging.getLogger("celery_dlock")
+_T = TypeVar("_T")
 
 #: First and longest pause between two attempts to store a success while the store fails.
 SUCCESS_PAUSE = 0.25
@@ -112,16 +122,41 @@ def settle(
 def release_success(backend: LockBackend, ending: Ending, retry: float) -> Record | None:
     """``_release`` of a success that ``once`` must remember, tried again with backoff
     while the store fails."""
-    lease = ending.lease
+    return _storing_success(
+        backend,
+        ending.lease,
+        retry,
+        lambda attempt: release(backend, ending, retrying=attempt > 1, defer=False),
+        lambda: unsettled.add(backend, ending),
+    )
+
+
+def remember_success(backend: LockBackend, success: Record, retry: float) -> bool:
+    """``backend.remember(success)``, tried again with backoff while the store fails (as
+    :func:`release_success`, for a success kept apart from its lease's release)."""
+    return _storing_success(
+        backend, success.lease, retry, lambda _: backend.remember(success), lambda: None
+    )
+
+
+def _storing_success(
+    backend: LockBackend,
+    lease: Lease,
+    retry: float,
+    store: Callable[[int], _T],
+    give_up: Callable[[], None],
+) -> _T:
+    """``store(attempt)``, tried again with backoff for up to ``retry`` seconds while the
+    store fails; then ``give_up()`` and the error is raised."""
     deadline = time.monotonic() + retry
     pause = SUCCESS_PAUSE
     attempt = 1
     while True:
         try:
-            record = release(backend, ending, retrying=attempt > 1, defer=False)
+            stored = store(attempt)
         except BackendError as exc:
             if time.monotonic() + pause > deadline:
-                unsettled.add(backend, ending)
+                give_up()
                 logger.error(
                     "gave up storing the success of %s (fence %d) [%s] after %d attempts "
                     "in %.0f s: once may run this task again: %s",
@@ -157,7 +192,7 @@ def release_success(backend: LockBackend, ending: Ending, retry: float) -> Recor
                 attempt,
                 extra=fields("success_stored", lease, outcome=Outcome.SUCCEEDED),
             )
-        return record
+        return stored
 
 
 class Unsettled:

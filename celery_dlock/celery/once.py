@@ -2,6 +2,11 @@
 runs and again when the body's own transaction was refused (``record_success``), and its
 replay to a duplicate.
 
+A run that replaced itself (``Task.replace``) keeps the first success, with no value. Its
+replacements on the same key go on (:func:`continues`), and each keeps its own success
+under a name of its own, ``<task> (replacement <nesting>)`` (:func:`step`): what a
+redelivery of that replacement, after it ended, replays instead of running again.
+
 The lock store failing to say whether a success is kept is a store failure before any
 effect: the lease is released as ``retried`` and the request re-queued (``busy.store_failed``),
 never failed nor run. Once the kept success is known, the duplicate returns it whatever
@@ -12,6 +17,7 @@ lease when it expires or its holder is gone."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery_dlock.celery.busy import store_failed
@@ -20,18 +26,20 @@ from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.records import Outcome, Record, describe_exception
+from celery_dlock.releasing import remember_success
 
-__all__ = ["continues", "kept_success", "replay"]
+__all__ = ["continues", "keep_step", "kept_success", "replay", "step"]
 
 logger = logging.getLogger("celery_dlock.task")
 
 
-def kept_success(task: Any, lock: Lock) -> Record | None:
-    """The success a ``once`` task replays on ``lock``'s key, or None. When the store fails
-    to say, the lease is released as ``retried`` and the request re-queued as for any store
-    failure (:func:`~celery_dlock.celery.busy.store_failed`), never failed nor run."""
+def kept_success(task: Any, lock: Lock, name: str | None = None) -> Record | None:
+    """The success a ``once`` task replays on ``lock``'s key (kept under the task's name, or
+    ``name``), or None. When the store fails to say, the lease is released as ``retried``
+    and the request re-queued as for any store failure
+    (:func:`~celery_dlock.celery.busy.store_failed`), never failed nor run."""
     try:
-        return lock.last_success(task.name)
+        return lock.last_success(name or task.name)
     except BackendError as exc:
         failure = exc
     try:
@@ -60,6 +68,41 @@ def continues(request: Any, previous: Record) -> bool:
     return bool(
         nesting >= handed.get("nesting", 0) > 0 and root == handed.get("root_id") and not later
     )
+
+
+def step(task: Any, lock: Lock, previous: Record) -> Record | None:
+    """What this run replays, given the success ``previous`` kept on its key: ``previous``
+    itself, unless the run goes on with the run that kept it (:func:`continues`). Then it is
+    the success this replacement kept under its own name in an earlier delivery, or None
+    (run the body); the request notes that name (``dlock_step``) for :func:`keep_step`."""
+    request = task.request
+    if not continues(request, previous):
+        return previous
+    nesting, _ = lineage(request)
+    request.dlock_step = f"{task.name} (replacement {nesting})"
+    return kept_success(task, lock, request.dlock_step)
+
+
+def keep_step(request: Any, lock: Lock, result: Any) -> None:
+    """Keep a replacement's success (``result``: its value, or its own hand-over) under its
+    own name before its release, so that its redelivery replays it. A store that fails is
+    tried again as a release of a success is (``Lock.success_retry``); then the success is
+    lost for that name (logged) and the release goes on."""
+    name = getattr(request, "dlock_step", None)
+    lease = lock.lease
+    if name is None or lease is None or result is None:
+        return
+    record = Record(lease.for_task(name), time.time(), Outcome.SUCCEEDED, None, None, result)
+    try:
+        remember_success(lock.backend, record, lock.success_retry)
+    except BackendError:
+        logger.exception(
+            "could not keep the success of %s as %r: a redelivery of this replacement "
+            "would run it again",
+            lock.key,
+            name,
+            extra=fields("success_given_up", lease, backend=lock.backend.url),
+        )
 
 
 def replay(lock: Lock, previous: Record) -> Any:

@@ -175,7 +175,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
                 f"task {self.name}: record_success is called from the body, while it holds "
                 "its lease"
             )
-        lock.record_success(connection, stored_result(self.name, result))
+        step = getattr(self.request, "dlock_step", None)  # a replacement's name: once.step
+        lock.record_success(connection, stored_result(self.name, result), step)
 
     def lock_key_for(
         self,
@@ -335,7 +336,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         previous = once.kept_success(self, lock) if self.once else None
-        if previous is not None and not once.continues(self.request, previous):
+        if previous is not None and (previous := once.step(self, lock, previous)) is not None:
             return once.replay(lock, previous)
         try:
             result = self.run(*args, **kwargs)
@@ -343,11 +344,10 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             self._retrying(lock, exc)
             raise
         except AlreadySucceededError as exc:
-            # record_success found another run's success in the body's own transaction,
-            # which rolled back: this run had no effect, and replays that one (a store that
-            # fails to give it: re-queued, as before the body).
+            # record_success found another run's success in the body's transaction (rolled
+            # back: no effect here): replay it (a store failing to give it: re-queued).
             mine = self.once and exc.key == lock.key
-            previous = once.kept_success(self, lock) if mine else None
+            previous = once.kept_success(self, lock, exc.task_name) if mine else None
             if previous is None:
                 self._finish(lock, Outcome.FAILED, exc)
                 raise
@@ -367,6 +367,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             # The body ended by sending its replacement: a success (for once too: a
             # duplicate must not run the body again and send a second replacement).
             kept = replacement(self.request) if self.once else None
+            once.keep_step(self.request, lock, kept)
             self._finish(lock, Outcome.SUCCEEDED, None, kept, details=handed)
             raise
         except BaseException as exc:
@@ -377,6 +378,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             self._finish(lock, Outcome.FAILED, lost := LockLostError(gone.key, gone.fence, "renew"))
             raise lost
         stored = stored_result(self.name, result) if self.once else None
+        once.keep_step(self.request, lock, stored)
         self._finish(lock, Outcome.SUCCEEDED, None, stored)
         return result
 

@@ -9,11 +9,14 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
 from celery_dlock import BackendError, Holder, Lock, Outcome, Record
 from celery_dlock.backends.redis import RedisBackend
+from celery_dlock.celery import once
+from celery_dlock.releasing import remember_success
 from tests.backends.stores.redis import URL, delete_prefix, store_url
 from tests.support.countingproxy import CountingProxy
 from tests.support.services import redis_client
@@ -87,3 +90,51 @@ def test_past_success_retry_the_release_gives_up_and_says_so(
     assert backend.last_success("job:order:8", TASK) is None
     current = backend.get("job:order:8")  # the lease stays for its ttl or the janitor
     assert current is not None and current.token == lease.token
+
+
+def test_a_success_kept_apart_from_its_release_waits_for_the_store_too(
+    proxied: tuple[CountingProxy, RedisBackend],
+) -> None:
+    """``remember_success`` (a replacement's own success, kept before its release): tried
+    again while the store is away, kept once it answers."""
+    proxy, backend = proxied
+    lock = Lock(backend, "job:order:9", holder=Holder.current(task_name=TASK))
+    lease = lock.acquire()
+    step = f"{TASK} (replacement 1)"
+    record = Record(lease.for_task(step), time.time(), Outcome.SUCCEEDED, None, None, {"value": 9})
+    kept: list[bool] = []
+    proxy.refuse()
+    keeping = threading.Thread(target=lambda: kept.append(remember_success(backend, record, 30)))
+    keeping.start()
+    time.sleep(1.0)
+    assert kept == []  # still trying
+    proxy.accept()
+    keeping.join(timeout=30)
+    assert kept == [True]
+    stored = backend.last_success("job:order:9", step)
+    assert stored is not None and stored.lease.token == lease.token
+    assert stored.result == {"value": 9}
+    assert backend.last_success("job:order:9", TASK) is None  # the task's own name: not kept
+    lock.release()
+
+
+def test_a_replacement_whose_success_cannot_be_kept_says_so_and_goes_on_to_its_release(
+    proxied: tuple[CountingProxy, RedisBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy, backend = proxied
+    lock = Lock(backend, "job:order:10", holder=Holder.current(task_name=TASK))
+    lock.acquire()
+    lock.success_retry = 0.5
+    request = SimpleNamespace(dlock_step=f"{TASK} (replacement 2)")
+    proxy.refuse()
+    with caplog.at_level(logging.ERROR, logger="celery_dlock"):
+        once.keep_step(request, lock, {"value": 10})  # does not raise
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        m.startswith(f"could not keep the success of job:order:10 as '{TASK} (replacement 2)'")
+        for m in said
+    ), said
+    proxy.accept()
+    assert backend.last_success("job:order:10", f"{TASK} (replacement 2)") is None
+    assert lock.lease is not None  # the release is the caller's, next
+    lock.release()

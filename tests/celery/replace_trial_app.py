@@ -7,10 +7,12 @@ Configured by environment as ``workerapp`` is (:func:`tests.support.workerapps.w
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl
 
 if not __package__:
     # A top-level module of a worker run in tests/celery: the tree's root goes first on
@@ -81,6 +83,31 @@ def deep(self: Any, customer: str, page: int, last: int, *, pause: float, later:
         nxt = deep.si(customer, page + 1, last, pause=pause, later=later)
         return self.replace(nxt.set(countdown=later) if later else nxt)
     return {"pages": page}
+
+
+def pages_table() -> tuple[str, str]:
+    """The Postgres store's database and, beside its tables, the table of pages written."""
+    base, _, query = os.environ["DLOCK_TEST_LOCKS"].partition("?")
+    return base, f'"{dict(parse_qsl(query))["schema"]}".trial_pages'
+
+
+@locked_task(app, "r.booked", lock_key="booked:{customer}", once=True)
+def booked(self: Any, customer: str, page: int, last: int) -> Any:
+    """``deep`` whose pages write a row each, in a transaction that keeps the page's
+    success (``record_success``; the Postgres store): the last page's result, the others'
+    None, before the next page's run replaces them."""
+    import psycopg
+
+    ledger("start", self, page=page)
+    url, table = pages_table()
+    result = {"pages": page} if page == last else None
+    with psycopg.connect(url) as connection:
+        connection.execute(f"INSERT INTO {table} VALUES (%s, %s)", (customer, page))
+        self.record_success(connection, result)
+    ledger("end", self, page=page)
+    if page < last:
+        return self.replace(booked.si(customer, page + 1, last))
+    return result
 
 
 @locked_task(

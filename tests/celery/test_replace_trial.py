@@ -201,11 +201,6 @@ def test_the_replaced_message_delivered_again_runs_nothing(trial: TrialWorker) -
     assert outcomes(trial, key)[-1] is Outcome.SKIPPED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect left open: once.continues reads only the first kept success, so a "
-    "continuation that already ran is not told from its own redelivery",
-)
 def test_a_replacement_delivered_again_after_the_run_ended_runs_nothing(
     trial: TrialWorker,
 ) -> None:
@@ -226,6 +221,63 @@ def test_a_replacement_delivered_again_after_the_run_ended_runs_nothing(
     eventually(lambda: len(trial.history(key)) == 3, "the redelivery recorded", timeout=60)
     assert [e["page"] for e in starts(trial, "r.deep", key=key)] == [1, 2]
     assert outcomes(trial, key)[-1] is Outcome.SKIPPED
+    kept = trial.store.last_success(key, "r.deep (replacement 1)")
+    assert kept is not None and kept.result == {"value": {"pages": 2}}
+    assert kept.lease.holder.task_id == first.id
+
+
+def test_a_replacement_that_replaced_itself_delivered_again_sends_no_next_page(
+    trial: TrialWorker,
+) -> None:
+    """The middle page's message delivered again once all three pages ran: it replays its
+    own hand-over (None), and neither its body nor the last page runs again."""
+    customer = new()
+    first = trial.tasks.deep.delay(customer, 1, 3, pause=0, later=0)
+    assert first.get(timeout=60) == {"pages": 3}
+    key = f"job:deep:{customer}"
+    trial.tasks.deep.apply_async(
+        (customer, 2, 3),
+        {"pause": 0, "later": 0},
+        task_id=first.id,
+        root_id=first.id,
+        replaced_task_nesting=1,
+    )
+    eventually(lambda: len(trial.history(key)) == 4, "the redelivery recorded", timeout=60)
+    settled(trial)
+    assert [e["page"] for e in starts(trial, "r.deep", key=key)] == [1, 2, 3]
+    assert outcomes(trial, key) == [Outcome.SUCCEEDED] * 3 + [Outcome.SKIPPED]
+
+
+def test_a_replacement_keeps_its_success_in_its_own_transaction(
+    trial: TrialWorker, lock_url: str
+) -> None:
+    """``record_success`` in a replacement's body (the Postgres store): its transaction
+    commits its page and its success, which the first page's kept hand-over does not
+    refuse; a redelivery of the last page then replays it and writes nothing."""
+    if not lock_url.startswith("postgres"):
+        pytest.skip("not applicable: record_success needs the Postgres store")
+    import psycopg
+
+    url, table = lock_url.partition("?")[0], f'"{lock_url.split("schema=")[1]}".trial_pages'
+    with psycopg.connect(url, autocommit=True) as connection:
+        connection.execute(f"CREATE TABLE IF NOT EXISTS {table} (customer text, page int)")
+    customer = new()
+    first = trial.tasks.booked.delay(customer, 1, 3)
+    assert first.get(timeout=60) == {"pages": 3}
+    key = f"job:booked:{customer}"
+    trial.tasks.booked.apply_async(
+        (customer, 3, 3), task_id=first.id, root_id=first.id, replaced_task_nesting=2
+    )
+    eventually(lambda: len(trial.history(key)) == 4, "the redelivery recorded", timeout=60)
+    with psycopg.connect(url) as connection:
+        rows = connection.execute(
+            f"SELECT page FROM {table} WHERE customer = %s ORDER BY page", (customer,)
+        )
+        assert [row[0] for row in rows.fetchall()] == [1, 2, 3]
+    assert [e["page"] for e in starts(trial, "r.booked", key=key)] == [1, 2, 3]
+    assert outcomes(trial, key) == [Outcome.SUCCEEDED] * 3 + [Outcome.SKIPPED]
+    kept = trial.store.last_success(key, "r.booked (replacement 2)")
+    assert kept is not None and kept.result == {"value": {"pages": 3}}
 
 
 def test_a_replacement_on_its_own_key_is_not_skipped_for_its_predecessors_lease(
