@@ -201,51 +201,35 @@ def test_the_replaced_message_delivered_again_runs_nothing(trial: TrialWorker) -
     assert outcomes(trial, key)[-1] is Outcome.SKIPPED
 
 
+@pytest.mark.parametrize("last", [2, 3], ids=["last-page", "middle-page"])
 def test_a_replacement_delivered_again_after_the_run_ended_runs_nothing(
-    trial: TrialWorker,
+    trial: TrialWorker, last: int
 ) -> None:
-    """A broker's redelivery of the replacement's message (same id, nesting and root: what
-    an ``acks_late`` worker lost before its ack sends again) once the run ended: the body
-    must not run again, as the replaced message's redelivery does not."""
+    """A broker's redelivery of the second page's message (same id, nesting and root: what
+    an ``acks_late`` worker lost before its ack sends again) once all pages ran: it replays
+    what that page kept (the last page's result, or a middle page's own hand-over), and
+    neither its body nor a next page runs again, as the replaced message's redelivery."""
     customer = new()
-    first = trial.tasks.deep.delay(customer, 1, 2, pause=0, later=0)
-    assert first.get(timeout=60) == {"pages": 2}
+    first = trial.tasks.deep.delay(customer, 1, last, pause=0, later=0)
+    assert first.get(timeout=60) == {"pages": last}
     key = f"job:deep:{customer}"
     trial.tasks.deep.apply_async(
-        (customer, 2, 2),
+        (customer, 2, last),
         {"pause": 0, "later": 0},
         task_id=first.id,
         root_id=first.id,
         replaced_task_nesting=1,
     )
-    eventually(lambda: len(trial.history(key)) == 3, "the redelivery recorded", timeout=60)
-    assert [e["page"] for e in starts(trial, "r.deep", key=key)] == [1, 2]
-    assert outcomes(trial, key)[-1] is Outcome.SKIPPED
-    kept = trial.store.last_success(key, "r.deep (replacement 1)")
-    assert kept is not None and kept.result == {"value": {"pages": 2}}
-    assert kept.lease.holder.task_id == first.id
-
-
-def test_a_replacement_that_replaced_itself_delivered_again_sends_no_next_page(
-    trial: TrialWorker,
-) -> None:
-    """The middle page's message delivered again once all three pages ran: it replays its
-    own hand-over (None), and neither its body nor the last page runs again."""
-    customer = new()
-    first = trial.tasks.deep.delay(customer, 1, 3, pause=0, later=0)
-    assert first.get(timeout=60) == {"pages": 3}
-    key = f"job:deep:{customer}"
-    trial.tasks.deep.apply_async(
-        (customer, 2, 3),
-        {"pause": 0, "later": 0},
-        task_id=first.id,
-        root_id=first.id,
-        replaced_task_nesting=1,
-    )
-    eventually(lambda: len(trial.history(key)) == 4, "the redelivery recorded", timeout=60)
+    eventually(lambda: len(trial.history(key)) == last + 1, "the redelivery recorded", timeout=60)
     settled(trial)
-    assert [e["page"] for e in starts(trial, "r.deep", key=key)] == [1, 2, 3]
-    assert outcomes(trial, key) == [Outcome.SUCCEEDED] * 3 + [Outcome.SKIPPED]
+    assert [e["page"] for e in starts(trial, "r.deep", key=key)] == list(range(1, last + 1))
+    assert outcomes(trial, key) == [Outcome.SUCCEEDED] * last + [Outcome.SKIPPED]
+    kept = trial.store.last_success(key, "r.deep (replacement 1)")
+    assert kept is not None and kept.lease.holder.task_id == first.id
+    if last == 2:
+        assert kept.result == {"value": {"pages": 2}}
+    else:
+        assert kept.result["value"] is None and kept.result["replaced"]["nesting"] == 2
 
 
 def test_a_replacement_keeps_its_success_in_its_own_transaction(
