@@ -76,7 +76,9 @@ __all__ = [
     "MODES",
     "ON_DUPLICATE",
     "body_leases",
+    "dedupe_ttl",
     "end_mark",
+    "extend_mark",
     "guards",
     "in_workflow",
     "mark_key",
@@ -294,7 +296,7 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     )
     expires = getattr(task.request, "expires", None)
     if expires is not None:
-        _extend(task, mark, _dedupe_ttl(task))
+        extend_mark(task, mark, dedupe_ttl(task))
     started = False
     held: set[str] = set()  # the tokens of this attempt's body leases
 
@@ -305,9 +307,10 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
         if not started:
             end_revoked(task, mark, where)
         if expires is not None:
-            _extend(task, mark, _dedupe_ttl(task))
+            extend_mark(task, mark, dedupe_ttl(task))
 
     task.request.dlock_on_held = on_held
+    task.request.dlock_mark = mark  # for a replacement it may go on with (replacing.py)
     try:
         result = run()
         if not started:  # on_locked="skip" or a callable: the body never ran
@@ -322,10 +325,11 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
         why = f"ended on {where} by {type(exc).__name__}: {exc}"
         ended = None if _comes_back(task, exc) else (outcome_of(exc), why, type(exc).__name__)
         if isinstance(exc, Ignore) and (handed := replaced_by(task.request)) is not None:
-            ended = (Outcome.SUCCEEDED, f"{handed}; on {where}")
+            goes_on = getattr(task.request, "dlock_mark_handed", False)
+            ended = None if goes_on else (Outcome.SUCCEEDED, f"{handed}; on {where}")
         raise
     finally:
-        task.request.dlock_on_held = None
+        task.request.dlock_on_held = task.request.dlock_mark = None
         if ended is not None:
             end_mark(task, mark, *ended)
 
@@ -334,12 +338,12 @@ def _resent(task: Any, mark: Lease, exc: Retry, held: set[str] | None) -> None:
     """A retry, or a re-queue for a busy key, re-sent the task after ``exc.when``: its mark
     lives ``dedupe_ttl`` past that, as a sent message's (:func:`_ttl`), up to the ``expires``
     it keeps (+ ``EXPIRY_GRACE``); never shortened but for ``held``, an until_finished run's."""
-    ttl = _dedupe_ttl(task) + max(0.0, _seconds_until(exc.when, now=True) or 0.0)
+    ttl = dedupe_ttl(task) + max(0.0, _seconds_until(exc.when, now=True) or 0.0)
     left = _seconds_until(getattr(task.request, "expires", None))
     if left is not None:
         ttl = min(ttl, max(0.0, left) + EXPIRY_GRACE)
     if left is None or held is None:
-        _extend(task, mark, ttl)
+        extend_mark(task, mark, ttl)
     else:
         _bound_for_retry(task, mark, ttl, held)
 
@@ -349,7 +353,7 @@ def _bound_for_retry(task: Any, mark: Lease, ttl: float, held: set[str]) -> None
     took it meanwhile: that worker lengthens the mark again once it holds the body lock,
     so either that comes after this bound, or the look here finds its body lease (of this
     task id, none of ``held``) and lengthens the mark again."""
-    _extend(task, mark, ttl, shorten=True)
+    extend_mark(task, mark, ttl, shorten=True)
     request = task.request
     try:
         found = [lease for _, lease in body_leases(task, request.args, request.kwargs)]
@@ -359,7 +363,7 @@ def _bound_for_retry(task: Any, mark: Lease, ttl: float, held: set[str]) -> None
     else:
         if all(lease.holder.task_id != request.id or lease.token in held for lease in found):
             return
-    _extend(task, mark, _dedupe_ttl(task))
+    extend_mark(task, mark, dedupe_ttl(task))
 
 
 def _comes_back(task: Any, exc: BaseException) -> bool:
@@ -368,11 +372,12 @@ def _comes_back(task: Any, exc: BaseException) -> bool:
     return isinstance(exc, Reject) and bool(exc.requeue) and bool(task.acks_late)
 
 
-def _dedupe_ttl(task: Any) -> float:
+def dedupe_ttl(task: Any) -> float:
+    """Seconds a mark of ``task`` lives past its message's countdown."""
     return float(task.dedupe_ttl) if task.dedupe_ttl is not None else settings(task.app).dedupe_ttl
 
 
-def _extend(task: Any, mark: Lease, ttl: float, *, shorten: bool = False) -> None:
+def extend_mark(task: Any, mark: Lease, ttl: float, *, shorten: bool = False) -> None:
     """Make ``mark`` end ``ttl`` seconds from now, by its token: handed over (no earlier
     than it would, whichever of this and the producer's hand-over comes last), or renewed
     to ``shorten`` it; a store error is logged (the mark then ends when it would have)."""

@@ -39,7 +39,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import busy, dedupe, once, signals
+from celery_dlock.celery import busy, dedupe, once, replacing, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, replaced_by, replacement, stored_result
@@ -281,8 +281,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             task_name=self.name,
             metadata=self._metadata_for(args, kwargs),
         )
-        task_thread = threading.get_ident()
-        on_lost = functools.partial(self._lease_lost, task_thread=task_thread)
+        on_lost = functools.partial(self._lease_lost, task_thread=threading.get_ident())
         lock: Any
         single = len(keys) == 1  # else all or none; a set has no hand-over to a retry
         if single:
@@ -428,11 +427,12 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     def on_replace(self, sig: Any) -> Any:
         """Celery's ``Task.replace`` sending ``sig`` in this run's place (under the task's
-        own id) and raising ``Ignore``: the run is recorded ``succeeded``, naming ``sig``,
-        and a ``once`` task keeps that success (its duplicates return None, and do not run
-        the body again); ``sig`` itself, on the same key, goes on (``once.continues``)."""
+        own id), then raising ``Ignore``: the run is recorded ``succeeded``, naming ``sig``,
+        a ``once`` task keeps that success (``once.continues``: what goes on, what replays),
+        and an ``until_finished`` mark may go on with ``sig`` (``replacing.hand_mark``)."""
         if not self.request.is_eager and getattr(self.request, "dlock_lock", None) is not None:
             self.request.dlock_replaced_by = sig
+            replacing.hand_mark(self, sig)
         return super().on_replace(sig)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:

@@ -137,6 +137,18 @@ def queued(self: Any, customer: str, page: int, last: int) -> Any:
     return {"pages": page}
 
 
+@locked_task(app, "r.synced", lock_key="synced:{customer}", dedupe="until_finished")
+def synced(self: Any, customer: str, page: int, last: int, pause: float) -> Any:
+    """A sync queued under a dedupe mark until it ends, one page per run, each page's run
+    replaced by the next's (the same task on the same key)."""
+    ledger("start", self, page=page)
+    time.sleep(pause)
+    ledger("end", self, page=page)
+    if page < last:
+        return self.replace(synced.si(customer, page + 1, last, pause))
+    return {"pages": page}
+
+
 @locked_task(app, "r.moved", lock_key=["account:{src}", "account:{dst}"])
 def moved(self: Any, src: str, dst: str) -> Any:
     """Holds two keys, then hands its run to the note."""

@@ -279,22 +279,47 @@ def test_a_replacement_on_its_own_key_is_not_skipped_for_its_predecessors_lease(
         assert Outcome.SKIPPED not in outcomes(trial, key)
 
 
-def test_an_until_finished_mark_ends_succeeded_when_its_once_task_replaces_itself(
+def test_an_until_finished_mark_ends_succeeded_with_its_once_task_s_last_page(
     trial: TrialWorker,
 ) -> None:
     customer = new()
     first = trial.tasks.queued.delay(customer, 1, 2)
     assert first.get(timeout=60) == {"pages": 2}
     key = f"job:queued:{customer}"
-    [mark] = trial.history(f"{key}#queued:r.queued")
+    [mark] = trial.history(f"{key}#queued:r.queued")  # it went on with the second page
     assert (mark.outcome, mark.lease.holder.task_id) == (Outcome.SUCCEEDED, first.id)
-    assert (mark.details or "").startswith(
-        f"replaced by r.queued: its result comes under task id {first.id}"
-    )
+    assert (mark.details or "").startswith("finished on ")
     assert outcomes(trial, key) == [Outcome.SUCCEEDED, Outcome.SUCCEEDED]
     assert trial.tasks.queued.delay(customer, 1, 2).get(timeout=60) is None
     settled(trial)
     assert [e["page"] for e in starts(trial, "r.queued", key=key)] == [1, 2]
+
+
+def test_an_until_finished_mark_goes_on_with_a_replacement_of_the_same_task_on_its_key(
+    trial: TrialWorker,
+) -> None:
+    """A sync that replaces itself page by page under ``dedupe="until_finished"``: a
+    duplicate sent while a later page runs is coalesced into the first (its id, nothing
+    sent), and the mark ends once, when the last page does; then a call sends again."""
+    customer = new()
+    first = trial.tasks.synced.delay(customer, 1, 3, 0.5)
+    key = f"job:synced:{customer}"
+    eventually(
+        lambda: 2 in [e["page"] for e in starts(trial, "r.synced", key=key)],
+        "the second page started",
+        timeout=60,
+    )
+    duplicate = trial.tasks.synced.delay(customer, 1, 3, 0.5)
+    assert duplicate.id == first.id
+    assert first.get(timeout=60) == {"pages": 3}
+    settled(trial)
+    assert [e["page"] for e in starts(trial, "r.synced", key=key)] == [1, 2, 3]
+    [mark] = trial.history(f"{key}#queued:r.synced")
+    assert (mark.outcome, mark.lease.holder.task_id) == (Outcome.SUCCEEDED, first.id)
+    assert (mark.details or "").startswith("finished on ")
+    after = trial.tasks.synced.delay(customer, 1, 1, 0)
+    assert after.id != first.id
+    assert after.get(timeout=60) == {"pages": 1}
 
 
 def test_a_task_with_two_keys_replaced_records_both_succeeded(trial: TrialWorker) -> None:
