@@ -324,9 +324,10 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     except BaseException as exc:
         why = f"ended on {where} by {type(exc).__name__}: {exc}"
         ended = None if _comes_back(task, exc) else (outcome_of(exc), why, type(exc).__name__)
-        if isinstance(exc, Ignore) and (handed := replaced_by(task.request)) is not None:
-            goes_on = getattr(task.request, "dlock_mark_handed", False)
-            ended = None if goes_on else (Outcome.SUCCEEDED, f"{handed}; on {where}")
+        if isinstance(exc, Ignore) and getattr(task.request, "dlock_mark_handed", False):
+            ended = None  # it goes on with the replacement (replacing.hand_mark, once.replay)
+        elif isinstance(exc, Ignore) and (handed := replaced_by(task.request)) is not None:
+            ended = (Outcome.SUCCEEDED, f"{handed}; on {where}")
         raise
     finally:
         task.request.dlock_on_held = task.request.dlock_mark = None

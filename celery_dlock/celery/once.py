@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Any
 
+from celery.exceptions import Ignore
+
 from celery_dlock.celery.busy import store_failed
 from celery_dlock.celery.outcomes import REPLACED, lineage, replayed
 from celery_dlock.errors import BackendError
@@ -59,10 +61,9 @@ def continues(request: Any, previous: Record) -> bool:
     (another root), a redelivery of the replaced message (its own nesting) and a later
     step of the chain the replaced run was in (Celery appends them to the replacement)
     are not."""
-    stored = previous.result
-    handed = stored.get(REPLACED) if isinstance(stored, dict) else None
-    if not isinstance(handed, dict):
+    if not _handed(previous):
         return False
+    handed = previous.result[REPLACED]
     nesting, root = lineage(request)
     later = request.id in (handed.get("later") or ())  # a later step of the replaced run's chain
     return bool(
@@ -105,15 +106,20 @@ def keep_step(request: Any, lock: Lock, result: Any) -> None:
         )
 
 
-def replay(lock: Lock, previous: Record) -> Any:
+def replay(lock: Lock, previous: Record, request: Any) -> Any:
     """End this run as ``skipped`` and return the kept result of ``previous``, even when the
     store refuses the release: the effect is known to be done, and failing the duplicate
     would tell its caller otherwise. A run handed to a replacement kept no value: its
-    duplicates return None (the result is the replacement's, under the first task's id)."""
+    duplicates return None (the result is the replacement's, under the first task's id).
+    The same message delivered again (``request`` has the task id that handed its run on)
+    raises ``Ignore`` instead, as the run it repeats did: a result stored under that id now
+    would be what its caller gets, and the replacement's could not replace it."""
     lease = lock.lease
+    handed_on = _handed(previous) and previous.lease.holder.task_id == request.id
     details = (
         f"once: already succeeded (fence {previous.fence}, task "
-        f"{previous.lease.holder.task_id}); returning its stored result"
+        f"{previous.lease.holder.task_id}); "
+        + ("its run went on in a replacement" if handed_on else "returning its stored result")
     )
     try:
         lock.release(Outcome.SKIPPED, "once", details)
@@ -125,4 +131,13 @@ def replay(lock: Lock, previous: Record) -> Any:
             previous.fence,
             extra=fields("release_failed", lease, outcome=Outcome.SKIPPED),
         )
+    if handed_on:
+        request.dlock_mark_handed = True  # a dedupe mark went on with the run, if it did
+        raise Ignore(f"{request.id} went on in a replacement: its result comes from there")
     return replayed(previous.result)
+
+
+def _handed(previous: Record) -> bool:
+    """Whether ``previous`` is the success of a run handed to a replacement."""
+    stored = previous.result
+    return isinstance(stored, dict) and isinstance(stored.get(REPLACED), dict)

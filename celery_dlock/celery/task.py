@@ -336,7 +336,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         previous = once.kept_success(self, lock) if self.once else None
         if previous is not None and (previous := once.step(self, lock, previous)) is not None:
-            return once.replay(lock, previous)
+            return once.replay(lock, previous, self.request)
         try:
             result = self.run(*args, **kwargs)
         except Retry as exc:
@@ -350,7 +350,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             if previous is None:
                 self._finish(lock, Outcome.FAILED, exc)
                 raise
-            return once.replay(lock, previous)
+            return once.replay(lock, previous, self.request)
         except LockLostError as exc:
             held = lock.lease and lost_lease(lock)  # of a set: the key lost, not the first
             if exc.key or held is None:

@@ -201,6 +201,25 @@ def test_the_replaced_message_delivered_again_runs_nothing(trial: TrialWorker) -
     assert outcomes(trial, key)[-1] is Outcome.SKIPPED
 
 
+def test_the_replaced_message_delivered_again_before_its_replacement_ran_stores_no_result(
+    trial: TrialWorker,
+) -> None:
+    """The first page's message delivered again while the second page waits out its
+    countdown: the redelivery runs nothing and stores no result under the task's id (a
+    ``None`` there would be what the caller gets, and the last page's result could not
+    replace it); the caller gets the last page's."""
+    customer = new()
+    first = trial.tasks.deep.delay(customer, 1, 2, pause=0, later=3)
+    key = f"job:deep:{customer}"
+    eventually(lambda: len(trial.history(key)) == 1, "the first page ended", timeout=60)
+    trial.tasks.deep.apply_async((customer, 1, 2), {"pause": 0, "later": 3}, task_id=first.id)
+    eventually(lambda: len(trial.history(key)) == 2, "the redelivery recorded", timeout=60)
+    assert outcomes(trial, key) == [Outcome.SUCCEEDED, Outcome.SKIPPED]
+    assert first.get(timeout=60) == {"pages": 2}
+    settled(trial)
+    assert [e["page"] for e in starts(trial, "r.deep", key=key)] == [1, 2]
+
+
 @pytest.mark.parametrize("last", [2, 3], ids=["last-page", "middle-page"])
 def test_a_replacement_delivered_again_after_the_run_ended_runs_nothing(
     trial: TrialWorker, last: int
