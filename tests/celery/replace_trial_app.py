@@ -128,12 +128,14 @@ def skipping(self: Any, customer: str, page: int, last: int) -> Any:
 
 
 @locked_task(app, "r.queued", lock_key="queued:{customer}", once=True, dedupe="until_finished")
-def queued(self: Any, customer: str, page: int, last: int) -> Any:
-    """``skipping`` queued under a dedupe mark until it ends."""
+def queued(self: Any, customer: str, page: int, last: int, later: float = 0) -> Any:
+    """``skipping`` queued under a dedupe mark until it ends; the next page sent ``later``
+    seconds on."""
     ledger("start", self, page=page)
     ledger("end", self, page=page)
     if page < last:
-        return self.replace(queued.si(customer, page + 1, last))
+        nxt = queued.si(customer, page + 1, last, later)
+        return self.replace(nxt.set(countdown=later) if later else nxt)
     return {"pages": page}
 
 

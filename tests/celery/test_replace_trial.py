@@ -314,6 +314,35 @@ def test_an_until_finished_mark_ends_succeeded_with_its_once_task_s_last_page(
     assert [e["page"] for e in starts(trial, "r.queued", key=key)] == [1, 2]
 
 
+def test_the_replaced_message_delivered_again_leaves_the_mark_that_went_on_with_its_run(
+    trial: TrialWorker,
+) -> None:
+    """``once`` and ``dedupe="until_finished"``: the first page's message, with its mark's
+    header, delivered again while the second page waits out its countdown ends with
+    ``Ignore`` and leaves the mark, which went on with the second page: a duplicate sent
+    then is still coalesced, and the mark ends with the last page."""
+    customer = new()
+    first = trial.tasks.queued.delay(customer, 1, 2, 3)
+    key = f"job:queued:{customer}"
+    mark_key = f"{key}#queued:r.queued"
+    eventually(lambda: len(trial.history(key)) == 1, "the first page ended", timeout=60)
+    mark = trial.store.get(mark_key)
+    assert mark is not None and mark.holder.task_id == first.id
+    trial.tasks.queued.apply_async(
+        (customer, 1, 2, 3), task_id=first.id, headers={"dlock_dedupe": mark.to_dict()}
+    )
+    eventually(lambda: len(trial.history(key)) == 2, "the redelivery recorded", timeout=60)
+    assert outcomes(trial, key) == [Outcome.SUCCEEDED, Outcome.SKIPPED]
+    held = trial.store.get(mark_key)
+    assert held is not None and held.token == mark.token
+    assert trial.tasks.queued.delay(customer, 1, 2, 3).id == first.id  # still coalesced
+    assert first.get(timeout=60) == {"pages": 2}
+    settled(trial)
+    [ended] = trial.history(mark_key)
+    assert (ended.outcome, ended.lease.token) == (Outcome.SUCCEEDED, mark.token)
+    assert (ended.details or "").startswith("finished on ")
+
+
 def test_an_until_finished_mark_goes_on_with_a_replacement_of_the_same_task_on_its_key(
     trial: TrialWorker,
 ) -> None:
