@@ -83,6 +83,7 @@ __all__ = [
     "in_workflow",
     "mark_key",
     "mark_of",
+    "mark_ttl",
     "release_mark",
     "revoke_queued",
     "run_marked",
@@ -128,7 +129,7 @@ def send(
     current = settings(task.app)
     key = mark_key(task.lock_key_for(args, kwargs, current.namespace), task.name)
     task_id = options.pop("task_id", None) or uuid()
-    ttl = _ttl(task, current.dedupe_ttl, options)
+    ttl = mark_ttl(task, current.dedupe_ttl, options)
     holder = Holder.current(task_id=task_id, task_name=task.name)
     mark = Lock(current.backend, key, min(ttl, SEND_TTL), holder=holder, renew=False)
     for _ in range(_ATTEMPTS):
@@ -214,7 +215,7 @@ def in_workflow(options: dict[str, Any]) -> bool:
     )
 
 
-def _ttl(task: Any, default: float, options: dict[str, Any]) -> float:
+def mark_ttl(task: Any, default: float, options: dict[str, Any]) -> float:
     """The mark lives ``dedupe_ttl`` past the message's countdown or eta, and no longer
     than the message can be started: to its ``expires`` (a broker may drop an expired
     message itself, as RabbitMQ does: no worker ever sees it), plus ``EXPIRY_GRACE``."""

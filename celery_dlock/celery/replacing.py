@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import Signature
 
-from celery_dlock.celery.dedupe import DEDUPE_HEADER, dedupe_ttl, extend_mark, mark_key
+from celery_dlock.celery.dedupe import DEDUPE_HEADER, extend_mark, mark_key, mark_ttl
 from celery_dlock.celery.settings import settings
 from celery_dlock.errors import LockKeyError
 
@@ -22,8 +22,8 @@ def hand_mark(task: Any, sig: Any) -> None:
     """Put the ``until_finished`` mark of ``task``'s running request into the message of
     ``sig``, its replacement, if ``sig`` is the same task on the same mark key: the
     replacement's worker then releases it when that body ends, by its token. The mark is
-    made to live ``dedupe_ttl`` from now, as a re-sent message's. A send that fails still
-    ends it with the replaced run (``failed``)."""
+    made to live ``dedupe_ttl`` past the replacement's countdown or eta, as a sent
+    message's. A send that fails still ends it with the replaced run (``failed``)."""
     mark = getattr(task.request, "dlock_mark", None)
     if mark is None or task.dedupe != "until_finished":
         return
@@ -37,6 +37,6 @@ def hand_mark(task: Any, sig: Any) -> None:
         return
     if mark_key(lock_key, task.name) != mark.key:
         return
-    extend_mark(task, mark, dedupe_ttl(task))
+    extend_mark(task, mark, mark_ttl(task, settings(task.app).dedupe_ttl, sig.options))
     sig.set(headers={**(sig.options.get("headers") or {}), DEDUPE_HEADER: mark.to_dict()})
     task.request.dlock_mark_handed = True

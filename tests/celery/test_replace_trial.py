@@ -328,6 +328,8 @@ def test_the_replaced_message_delivered_again_leaves_the_mark_that_went_on_with_
     eventually(lambda: len(trial.history(key)) == 1, "the first page ended", timeout=60)
     mark = trial.store.get(mark_key)
     assert mark is not None and mark.holder.task_id == first.id
+    assert mark.expires_at is not None  # dedupe_ttl (3600 s) past the second page's countdown
+    assert 3600 + 1 < mark.expires_at - time.time() <= 3600 + 3.1
     trial.tasks.queued.apply_async(
         (customer, 1, 2, 3), task_id=first.id, headers={"dlock_dedupe": mark.to_dict()}
     )
