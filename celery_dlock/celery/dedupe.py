@@ -76,7 +76,6 @@ __all__ = [
     "MODES",
     "ON_DUPLICATE",
     "body_leases",
-    "dedupe_ttl",
     "end_mark",
     "extend_mark",
     "guards",
@@ -297,7 +296,7 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     )
     expires = getattr(task.request, "expires", None)
     if expires is not None:
-        extend_mark(task, mark, dedupe_ttl(task))
+        extend_mark(task, mark, _dedupe_ttl(task))
     started = False
     held: set[str] = set()  # the tokens of this attempt's body leases
 
@@ -308,7 +307,7 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
         if not started:
             end_revoked(task, mark, where)
         if expires is not None:
-            extend_mark(task, mark, dedupe_ttl(task))
+            extend_mark(task, mark, _dedupe_ttl(task))
 
     task.request.dlock_on_held = on_held
     task.request.dlock_mark = mark  # for a replacement it may go on with (replacing.py)
@@ -338,9 +337,9 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
 
 def _resent(task: Any, mark: Lease, exc: Retry, held: set[str] | None) -> None:
     """A retry, or a re-queue for a busy key, re-sent the task after ``exc.when``: its mark
-    lives ``dedupe_ttl`` past that, as a sent message's (:func:`_ttl`), up to the ``expires``
+    lives ``dedupe_ttl`` past that, as a sent message's (:func:`mark_ttl`), up to the ``expires``
     it keeps (+ ``EXPIRY_GRACE``); never shortened but for ``held``, an until_finished run's."""
-    ttl = dedupe_ttl(task) + max(0.0, _seconds_until(exc.when, now=True) or 0.0)
+    ttl = _dedupe_ttl(task) + max(0.0, _seconds_until(exc.when, now=True) or 0.0)
     left = _seconds_until(getattr(task.request, "expires", None))
     if left is not None:
         ttl = min(ttl, max(0.0, left) + EXPIRY_GRACE)
@@ -365,7 +364,7 @@ def _bound_for_retry(task: Any, mark: Lease, ttl: float, held: set[str]) -> None
     else:
         if all(lease.holder.task_id != request.id or lease.token in held for lease in found):
             return
-    extend_mark(task, mark, dedupe_ttl(task))
+    extend_mark(task, mark, _dedupe_ttl(task))
 
 
 def _comes_back(task: Any, exc: BaseException) -> bool:
@@ -374,8 +373,7 @@ def _comes_back(task: Any, exc: BaseException) -> bool:
     return isinstance(exc, Reject) and bool(exc.requeue) and bool(task.acks_late)
 
 
-def dedupe_ttl(task: Any) -> float:
-    """Seconds a mark of ``task`` lives past its message's countdown."""
+def _dedupe_ttl(task: Any) -> float:
     return float(task.dedupe_ttl) if task.dedupe_ttl is not None else settings(task.app).dedupe_ttl
 
 

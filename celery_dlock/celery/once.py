@@ -96,13 +96,13 @@ def keep_step(request: Any, lock: Lock, result: Any) -> None:
     record = Record(lease.for_task(name), time.time(), Outcome.SUCCEEDED, None, None, result)
     try:
         remember_success(lock.backend, record, lock.success_retry)
-    except BackendError:
-        logger.exception(
-            "could not keep the success of %s as %r: a redelivery of this replacement "
-            "would run it again",
+    except BackendError:  # logged as given up: the release goes on
+        logger.error(
+            "the success of %s is not kept as %r: a redelivery of this replacement would "
+            "run it again",
             lock.key,
             name,
-            extra=fields("success_given_up", lease, backend=lock.backend.url),
+            extra=fields("step_not_kept", lease),
         )
 
 

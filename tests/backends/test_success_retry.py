@@ -131,7 +131,7 @@ def test_a_replacement_whose_success_cannot_be_kept_says_so_and_goes_on_to_its_r
         once.keep_step(request, lock, {"value": 10})  # does not raise
     said = [r.getMessage() for r in caplog.records]
     assert any(
-        m.startswith(f"could not keep the success of job:order:10 as '{TASK} (replacement 2)'")
+        m.startswith(f"the success of job:order:10 is not kept as '{TASK} (replacement 2)'")
         for m in said
     ), said
     proxy.accept()
