@@ -310,17 +310,19 @@ class LockBackend(ABC):
 
     @abstractmethod
     def remember(self, record: Record) -> bool:
-        """Keep ``record`` as the last success of its key and its holder's task unless one
-        is kept already: insert-if-absent, the first success wins, never an overwrite.
+        """Keep ``record`` as the last success of its key and its holder's task unless
+        another lease's is kept already: the first success wins, another lease's is never
+        overwritten; the lease's own (by token: kept by ``record_success`` earlier in its
+        run, or by this call tried again) is updated, as a release updates it.
 
         For a body that succeeded after its lease was lost (the release found it gone), so
-        that ``once`` does not forget the success. ``record`` is a ``succeeded`` record with
-        a result and a holder with a task name; it is not added to the history. Committed
-        durably where the store has a choice.
+        that ``once`` does not forget the success, and for a ``Task.replace`` continuation's
+        own success. ``record`` is a ``succeeded`` record with a result and a holder with a
+        task name; it is not added to the history. Committed durably where the store has a
+        choice.
 
         Returns:
-            True if this call kept ``record``, False if a success was kept already (this
-            one included: a call tried again after a lost reply answers False).
+            True if ``record`` is now the kept success, False if another lease's is.
         """
 
     @abstractmethod

@@ -221,7 +221,8 @@ class MemoryBackend(LockBackend):
     def remember(self, record: Record) -> bool:
         task_name = success_task(record)
         with self._changed:
-            if (record.key, task_name) in self._successes:
+            kept = self._successes.get((record.key, task_name))
+            if kept is not None and kept.lease.token != record.lease.token:
                 return False
             self._successes[record.key, task_name] = record
             return True

@@ -1,7 +1,8 @@
 """The contract of a success that ``once`` must not forget (DESIGN §5): ``remember`` keeps the
-first success and never overwrites one, ``Lock.release`` of a lease lost meanwhile
-keeps its success and records the release as ``lost``, and a later release's success (of
-the holder that took the key over) does not replace it, for every store."""
+first success and never overwrites another lease's (its own lease's it updates),
+``Lock.release`` of a lease lost meanwhile keeps its success and records the release as
+``lost``, and a later release's success (of the holder that took the key over) does not
+replace it, for every store."""
 
 from __future__ import annotations
 
@@ -37,7 +38,24 @@ def test_remember_keeps_the_first_success_and_never_overwrites_it(backend: LockB
     kept = backend.last_success("job:first", TASK)
     assert kept is not None and kept.lease.token == first.lease.token
     assert kept.result == {"value": "first"}
-    assert backend.remember(first) is False  # again: still kept, once
+    assert backend.remember(second) is False  # again: still the first's
+    assert backend.remember(first) is True  # again (a lost reply): the same, kept once
+
+
+def test_remember_updates_the_lease_s_own_success_and_only_its_own(backend: LockBackend) -> None:
+    """What ``record_success`` kept in a run is that run's to update (a ``Task.replace``
+    page keeps its hand-over over the value it committed), as a release updates it."""
+    first = success_of(backend, "job:own", {"value": "committed"})
+    assert backend.remember(first) is True
+    handed = Record(first.lease, first.released_at, Outcome.SUCCEEDED, None, "later", {"value": 2})
+    assert backend.remember(handed) is True
+    kept = backend.last_success("job:own", TASK)
+    assert kept is not None and kept.lease.token == first.lease.token
+    assert (kept.result, kept.details) == ({"value": 2}, "later")
+    other = success_of(backend, "job:own", {"value": "other"})
+    assert backend.remember(other) is False
+    again = backend.last_success("job:own", TASK)
+    assert again is not None and again.result == {"value": 2}
 
 
 def test_remember_leaves_the_history_alone(backend: LockBackend) -> None:

@@ -268,10 +268,13 @@ class FileBackend(LockBackend):
 
     def remember(self, record: Record) -> bool:
         task_name = success_task(record)
-        try:
-            return self._write_success(record, task_name, first=True, durable=True)
-        except OSError as exc:
-            raise BackendError(f"cannot keep the success of {record.key}: {exc}", self.url) from exc
+        if self._write_success(record, task_name, first=True, durable=True):
+            return True
+        kept = self.last_success(record.key, task_name)
+        if kept is None or kept.lease.token != record.lease.token:
+            return False  # another lease's: the first wins
+        self._write_success(record, task_name, durable=True)  # the lease's own, updated
+        return True
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)

@@ -221,12 +221,21 @@ def _first(
 
 
 def remember(backend: ObjectStoreBackend, record: Record) -> bool:
-    """``record`` under ``success/`` unless a success of its key and task is kept already:
-    one create-if-absent, as a release makes before the swap that would keep its own (so a
-    success in a lock object is under ``success/`` too); the first to create it wins."""
+    """``record`` under ``success/`` unless another lease's success of its key and task is
+    kept already: one create-if-absent, as a release makes before the swap that would keep
+    its own (so a success in a lock object is under ``success/`` too); the first to create
+    it wins. The lease's own (by token) is swapped for ``record``."""
     task_name = success_task(record)
     name = backend.layout.success_name(record.key, task_name)
-    return backend.objects.create(name, encode(record.to_dict())).version is not None
+    body = encode(record.to_dict())
+    if backend.objects.create(name, body).version is not None:
+        return True
+    found = backend.objects.read(name)
+    kept = None if found.body is None else Record.from_dict(json.loads(found.body))
+    if kept is None or found.version is None or kept.lease.token != record.lease.token:
+        return False
+    version, _ = backend.objects.put(name, body, found.version, "remember")
+    return version is not None
 
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:

@@ -152,13 +152,14 @@ class Statements:
             "ON CONFLICT (key, task_name) {conflict}\nRETURNING 1"
         )
         durable = "\nFROM (SELECT set_config('synchronous_commit', 'on', true)) AS durable"
-        self.remember = (
-            "-- remember: a success record's fields, its task name | 1 when kept; no row when "
-            "a success of that key and task is kept already (first wins); committed durably\n"
-            + keep.format(source=durable, conflict="DO NOTHING")
-        )
         again = ", ".join(f"{column} = excluded.{column}" for column in _RECORD.split(", ")[1:])
         ours = f"DO UPDATE SET {again}\n  WHERE {n.successes}.token = excluded.token"
+        self.remember = (
+            "-- remember: a success record's fields, its task name | 1 when kept; no row when "
+            "another lease's success of that key and task is kept (first wins; the lease's "
+            "own, by token, is updated); committed durably\n"
+            + keep.format(source=durable, conflict=ours)
+        )
         self.record_success = (
             "-- record_success: as remember, in the caller's own transaction and connection "
             "(psycopg or psycopg2), committed by the caller; the run's own (token) is updated\n"

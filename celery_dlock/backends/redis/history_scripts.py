@@ -56,14 +56,20 @@ REMEMBER = Script(
     "remember",
     """
 -- remember: KEYS 1 result key | ARGV 1 result ms, 2... the record's fields | 1 kept,
--- 0 when a success is kept already (first wins: never an overwrite)
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  return 0
-end
-local fields = {}
+-- 0 when another lease's success is kept (first wins; the lease's own, by token, is
+-- updated)
+local fields, token = {}, nil
 for i = 2, #ARGV do
   fields[#fields + 1] = ARGV[i]
+  if ARGV[i] == 'tok' and i % 2 == 0 then
+    token = ARGV[i + 1]
+  end
 end
+local kept = redis.call('HGET', KEYS[1], 'tok')
+if kept and kept ~= token then
+  return 0
+end
+redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
