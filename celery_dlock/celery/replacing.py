@@ -22,8 +22,9 @@ def hand_mark(task: Any, sig: Any) -> None:
     """Put the ``until_finished`` mark of ``task``'s running request into the message of
     ``sig``, its replacement, if ``sig`` is the same task on the same mark key: the
     replacement's worker then releases it when that body ends, by its token. The mark is
-    made to live ``dedupe_ttl`` past the replacement's countdown or eta, as a sent
-    message's. A send that fails still ends it with the replaced run (``failed``)."""
+    made to live as the replacement's own would (:func:`~celery_dlock.celery.dedupe.mark_ttl`:
+    ``dedupe_ttl`` past its countdown or eta, and no longer than its ``expires``). A send
+    that fails still ends it with the replaced run (``failed``)."""
     mark = getattr(task.request, "dlock_mark", None)
     if mark is None or task.dedupe != "until_finished":
         return
@@ -37,6 +38,7 @@ def hand_mark(task: Any, sig: Any) -> None:
         return
     if mark_key(lock_key, task.name) != mark.key:
         return
-    extend_mark(task, mark, mark_ttl(task, settings(task.app).dedupe_ttl, sig.options))
+    ttl = mark_ttl(task, settings(task.app).dedupe_ttl, sig.options)
+    extend_mark(task, mark, ttl, shorten=True)  # the new message's: to its expires, say
     sig.set(headers={**(sig.options.get("headers") or {}), DEDUPE_HEADER: mark.to_dict()})
     task.request.dlock_mark_handed = True

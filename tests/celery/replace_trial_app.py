@@ -92,10 +92,10 @@ def pages_table() -> tuple[str, str]:
 
 
 @locked_task(app, "r.booked", lock_key="booked:{customer}", once=True)
-def booked(self: Any, customer: str, page: int, last: int) -> Any:
+def booked(self: Any, customer: str, page: int, last: int, later: float = 0) -> Any:
     """``deep`` whose pages write a row each, in a transaction that keeps the page's
     success (``record_success``; the Postgres store): the last page's result, the others'
-    None, before the next page's run replaces them."""
+    None, before the next page's run replaces them (sent ``later`` seconds on)."""
     import psycopg
 
     ledger("start", self, page=page)
@@ -106,7 +106,8 @@ def booked(self: Any, customer: str, page: int, last: int) -> Any:
         self.record_success(connection, result)
     ledger("end", self, page=page)
     if page < last:
-        return self.replace(booked.si(customer, page + 1, last))
+        nxt = booked.si(customer, page + 1, last, later)
+        return self.replace(nxt.set(countdown=later) if later else nxt)
     return result
 
 
@@ -191,3 +192,56 @@ def retrying(self: Any, order: str, step: int = 0) -> Any:
     if self.request.retries == 0:
         raise self.retry(countdown=0)
     return f"done {order}"
+
+
+# -- tests/celery/test_replace_mark_trial.py ---------------------------------------------
+
+
+def _page(self: Any, customer: str, page: int, last: int, how: dict[str, Any]) -> Any:
+    """One page of a sync, then the next page's run (same task, on the key of ``how["to"]``
+    if given, else the same key) with the message options ``how["next"]``. ``how`` also
+    says which page fails (``fail``), retries once (``again``, after ``again_in`` s) and
+    how long the first page (``first_pause``) and each page after it (``pause``) work."""
+    ledger("start", self, page=page, retries=self.request.retries)
+    time.sleep(how.get("pause", 0) if page > 1 else how.get("first_pause", 0))
+    if page == how.get("fail"):
+        raise ValueError(f"page {page} fails")
+    if page == how.get("again") and self.request.retries == 0:
+        raise self.retry(countdown=how.get("again_in", 0))
+    ledger("end", self, page=page)
+    if page < last:
+        nxt = self.si(how.get("to", customer), page + 1, last, how)
+        return self.replace(nxt.set(**how.get("next", {})))
+    return {"pages": page}
+
+
+@locked_task(app, "r.paged", lock_key="paged:{customer}", dedupe="until_finished", max_retries=3)
+def paged(self: Any, customer: str, page: int, last: int, how: dict[str, Any]) -> Any:
+    """A sync under an ``until_finished`` mark, page by page (:func:`_page`)."""
+    return _page(self, customer, page, last, how)
+
+
+@locked_task(
+    app,
+    "r.paged_raise",
+    lock_key="paged_raise:{customer}",
+    dedupe="until_finished",
+    on_duplicate="raise",
+)
+def paged_raise(self: Any, customer: str, page: int, last: int, how: dict[str, Any]) -> Any:
+    """``paged`` whose duplicates raise ``DuplicateTaskError``."""
+    return _page(self, customer, page, last, how)
+
+
+@locked_task(app, "r.paged_started", lock_key="paged_started:{customer}", dedupe="until_started")
+def paged_started(self: Any, customer: str, page: int, last: int, how: dict[str, Any]) -> Any:
+    """``paged`` under an ``until_started`` mark."""
+    return _page(self, customer, page, last, how)
+
+
+@locked_task(
+    app, "r.paged_once", lock_key="paged_once:{customer}", once=True, dedupe="until_finished"
+)
+def paged_once(self: Any, customer: str, page: int, last: int, how: dict[str, Any]) -> Any:
+    """``paged``, ``once``."""
+    return _page(self, customer, page, last, how)
