@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -66,6 +67,7 @@ class PostgresStore(LockBackend):
         )
         self._holder_cache: tuple[Holder, str] | None = None
         self._async: AsyncPostgres | None = None
+        self._async_made = threading.Lock()  # two loops' threads may ask at once
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresStore:
@@ -168,8 +170,9 @@ class PostgresStore(LockBackend):
     def async_store(self) -> AsyncPostgres | None:
         """The asyncio client of this backend: a lock session per event loop, on psycopg's
         ``AsyncConnection``, with this backend's statements and liveness."""
-        if self._async is None:
-            self._async = AsyncPostgres(self._config, self._clients, self._holder_json)
+        with self._async_made:
+            if self._async is None:
+                self._async = AsyncPostgres(self._config, self._clients, self._holder_json)
         return self._async
 
     def release(

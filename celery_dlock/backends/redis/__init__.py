@@ -80,6 +80,7 @@ Install
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -186,6 +187,7 @@ class RedisBackend(LockBackend):
             default_ttl=self.default_ttl,
         )
         self._async: AsyncRedis | None = None
+        self._async_made = threading.Lock()  # two loops' threads may ask at once
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
@@ -408,8 +410,9 @@ class RedisBackend(LockBackend):
         connections (one set per event loop); None for a cluster (the pool then)."""
         if self._client.cluster:
             return None
-        if self._async is None:
-            self._async = AsyncRedis(self.calls, self._client)
+        with self._async_made:
+            if self._async is None:
+                self._async = AsyncRedis(self.calls, self._client)
         return self._async
 
     def server_time(self) -> float:
