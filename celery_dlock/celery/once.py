@@ -34,6 +34,9 @@ __all__ = ["continues", "keep_step", "kept_success", "replay", "step"]
 
 logger = logging.getLogger("celery_dlock.task")
 
+#: Pages a duplicate looks through for the last page's success (a read each).
+CHAIN_READS = 64
+
 
 def kept_success(task: Any, lock: Lock, name: str | None = None) -> Record | None:
     """The success a ``once`` task replays on ``lock``'s key (kept under the task's name, or
@@ -72,16 +75,34 @@ def continues(request: Any, previous: Record) -> bool:
 
 
 def step(task: Any, lock: Lock, previous: Record) -> Record | None:
-    """What this run replays, given the success ``previous`` kept on its key: ``previous``
-    itself, unless the run goes on with the run that kept it (:func:`continues`). Then it is
-    the success this replacement kept under its own name in an earlier delivery, or None
-    (run the body); the request notes that name (``dlock_step``) for :func:`keep_step`."""
+    """What this run replays, given the success ``previous`` kept on its key.
+
+    - A replacement that goes on with the run that kept it (:func:`continues`): the success
+      it kept under its own name in an earlier delivery, or None (run the body); the
+      request notes that name (``dlock_step``) for :func:`keep_step`.
+    - The replaced message delivered again (its task id): ``previous``, the hand-over.
+    - A duplicate: when the run was handed to itself again (a page of a sync), the last
+      page's success once it ended, looked up page by page; else ``previous``."""
     request = task.request
-    if not continues(request, previous):
+    if continues(request, previous):
+        nesting, _ = lineage(request)
+        request.dlock_step = _step_name(task, nesting)
+        return kept_success(task, lock, request.dlock_step)
+    if previous.lease.holder.task_id == request.id:
         return previous
-    nesting, _ = lineage(request)
-    request.dlock_step = f"{task.name} (replacement {nesting})"
-    return kept_success(task, lock, request.dlock_step)
+    for _ in range(CHAIN_READS):
+        if not _handed(previous) or not previous.result[REPLACED].get("itself"):
+            break  # a value, or handed to another task or a workflow: its result is theirs
+        later = kept_success(task, lock, _step_name(task, previous.result[REPLACED]["nesting"]))
+        if later is None:
+            break  # still going on, or a page failed
+        previous = later
+    return previous
+
+
+def _step_name(task: Any, nesting: int) -> str:
+    """The name a replacement ``nesting`` deep keeps its success under."""
+    return f"{task.name} (replacement {nesting})"
 
 
 def keep_step(request: Any, lock: Lock, result: Any) -> None:

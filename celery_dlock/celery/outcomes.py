@@ -7,6 +7,7 @@ import json
 import logging
 from typing import Any
 
+from celery import Signature
 from celery.exceptions import Ignore, TaskRevokedError
 from kombu.utils import json as kombu_json
 
@@ -88,7 +89,12 @@ def replacement(request: Any) -> dict[str, Any]:
         for step in getattr(request, "chain", None) or ()
         if step.get("task") == getattr(request, "task", None)
     ]
-    return {"value": None, REPLACED: {"nesting": nesting + 1, "root_id": root, "later": later}}
+    sig: Any = getattr(request, "dlock_replaced_by", None)
+    # Itself again (a page of a sync, not a chain or group): the last page's value is the
+    # run's result.
+    itself = type(sig) is Signature and sig.task == getattr(request, "task", None)
+    handed = {"nesting": nesting + 1, "root_id": root, "later": later, "itself": itself}
+    return {"value": None, REPLACED: handed}
 
 
 def lineage(request: Any) -> tuple[int, str]:
