@@ -221,11 +221,7 @@ class MemoryBackend(LockBackend):
     def remember(self, record: Record) -> bool:
         task_name = success_task(record)
         with self._changed:
-            kept = self._successes.get((record.key, task_name))
-            if kept is not None and kept.lease.token != record.lease.token:
-                return False
-            self._successes[record.key, task_name] = record
-            return True
+            return self._keep(record, task_name)
 
     def reap(self, limit: int = 100) -> list[Record]:
         reaped: list[Record] = []
@@ -275,8 +271,14 @@ class MemoryBackend(LockBackend):
         else:
             self._history.append(record)
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
-        if task_name is None:
-            return
+        if task_name is not None:
+            self._keep(record, task_name)
+
+    def _keep(self, record: Record, task_name: str) -> bool:
+        """Keep ``record`` as the success of its key and ``task_name`` unless another lease's
+        is kept (the first wins; the lease's own is updated); under ``_changed``."""
         kept = self._successes.get((record.key, task_name))
-        if kept is None or kept.lease.token == record.lease.token:
-            self._successes[(record.key, task_name)] = record
+        if kept is not None and kept.lease.token != record.lease.token:
+            return False
+        self._successes[record.key, task_name] = record
+        return True

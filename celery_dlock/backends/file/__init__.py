@@ -187,11 +187,20 @@ class FileBackend(LockBackend):
         ``segment`` (``state.segment`` under a key's flock): a failure of either leaves no
         record of a release that did not happen."""
         task_name = remembered(record.outcome, record.result, record.lease.holder.task_name)
-        if task_name is not None and not self._write_success(record, task_name, first=True):
-            kept = self.last_success(record.key, task_name)
-            if kept is not None and kept.lease.token == record.lease.token:
-                self._write_success(record, task_name)
+        if task_name is not None:
+            self._keep(record, task_name)
         segment.append(record, lease_json)
+
+    def _keep(self, record: Record, task_name: str, *, durable: bool = False) -> bool:
+        """Keep ``record`` as the success of its key and ``task_name`` unless another lease's
+        is kept (the first to create the file wins; the lease's own is rewritten)."""
+        if self._write_success(record, task_name, first=True, durable=durable):
+            return True
+        kept = self.last_success(record.key, task_name)
+        if kept is None or kept.lease.token != record.lease.token:
+            return False
+        self._write_success(record, task_name, durable=durable)
+        return True
 
     def _write_success(
         self, record: Record, task_name: str, *, first: bool = False, durable: bool = False
@@ -267,14 +276,7 @@ class FileBackend(LockBackend):
         self._append(record, self._files.get().segment)
 
     def remember(self, record: Record) -> bool:
-        task_name = success_task(record)
-        if self._write_success(record, task_name, first=True, durable=True):
-            return True
-        kept = self.last_success(record.key, task_name)
-        if kept is None or kept.lease.token != record.lease.token:
-            return False  # another lease's: the first wins
-        self._write_success(record, task_name, durable=True)  # the lease's own, updated
-        return True
+        return self._keep(record, success_task(record), durable=True)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         ttl = validate_ttl(ttl)
