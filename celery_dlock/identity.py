@@ -25,6 +25,11 @@ __all__ = [
 ]
 
 
+#: The largest pid a process can have (``pid_t`` is a C int): ``os.kill`` raises
+#: ``OverflowError`` past it.
+_PID_MAX = 2**31 - 1
+
+
 @lru_cache(maxsize=1)
 def _ticks_per_second() -> int:
     return os.sysconf("SC_CLK_TCK")
@@ -120,8 +125,12 @@ def process_gone(pid: int, started: float | None, host: str) -> bool:
     pid namespace, see :func:`host_id`) ``host``, provably no longer exists.
 
     That needs the same kernel and pid namespace as ours; then the pid must be free or
-    belong to a process with another start time. Anything we cannot check is alive.
+    belong to a process with another start time. Anything we cannot check is alive, and
+    so is a pid no process can have (the store's entries are written by any client: a
+    corrupt one, another language's).
     """
+    if type(pid) is not int or not 0 < pid <= _PID_MAX:
+        return False
     if host.startswith(PORTABLE):
         return _portable_gone(pid, started, host)
     if not host or host != host_id():

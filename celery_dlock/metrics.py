@@ -13,22 +13,29 @@ Metrics (base units, Prometheus naming):
 - ``dlock_held_seconds{task, outcome}``: how long they were held (histogram);
 - ``dlock_wait_seconds{task}``: how long an acquisition waited for its key (histogram);
 - ``dlock_busy_total{task, policy}``: keys found busy, by the task's ``on_locked`` policy;
-- ``dlock_leases_lost_total{task}``: leases lost while held;
+- ``dlock_leases_lost_total{task}``: leases lost while held, noticed then or at their
+  release (once either way);
 - ``dlock_store_seconds{backend, operation}``: store call latency (histogram);
 - ``dlock_store_errors_total{backend, operation}``: store calls that failed;
 - ``dlock_reaped_total{reason}``: dead leases cleared (``disconnected``, ``expired``), by the
   janitor or by an acquire that took one over (a redelivered task takes its killed
   predecessor's key before any janitor runs).
+
+An update that fails (multiprocess mode's directory removed or not writable) never fails
+the lock call it counts: a lease granted and not recorded as held would stay on its key. It
+is logged, the first time with its traceback, and that count is missing.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import threading
 import time
 from typing import Any
 
+from celery_dlock.events import fields
 from celery_dlock.records import Lease, Record
 
 __all__ = [
@@ -54,6 +61,9 @@ _mutex = threading.Lock()
 _metrics: dict[str, Any] = {}
 #: Labelled children by (metric, labels): ``labels()`` costs more than an update.
 _children: dict[tuple[str, tuple[str, ...]], Any] = {}
+_failures = 0
+
+logger = logging.getLogger("celery_dlock.metrics")
 
 
 def enable(registry: Any = None) -> None:
@@ -129,51 +139,70 @@ def _child(name: str, *labels: str) -> Any:
     return child
 
 
+def _update(name: str, labels: tuple[str, ...], value: float | None = None) -> None:
+    """Count one in ``name``'s child of ``labels``, or observe ``value``; a failure is
+    logged, never raised (see the module's docstring)."""
+    global _failures
+    try:
+        child = _child(name, *labels)
+        if value is None:
+            child.inc()
+        else:
+            child.observe(value)
+    except Exception as exc:  # a metrics file that cannot be written, say
+        _failures += 1
+        extra = fields("metrics_failed")
+        if _failures == 1:
+            logger.exception("a metrics update failed (%s): its count is lost", name, extra=extra)
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+            logger.error("a metrics update failed (%s): %s", name, why, extra=extra)
+
+
 def released(record: Record) -> None:
     """A lease was released: counted by task and outcome, with how long it was held."""
     if not _on:
         return
-    task = record.lease.holder.task_name or ""
-    outcome = record.outcome.value
-    _child("releases", task, outcome).inc()
-    _child("held", task, outcome).observe(max(record.released_at - record.lease.acquired_at, 0.0))
+    labels = (record.lease.holder.task_name or "", record.outcome.value)
+    _update("releases", labels)
+    _update("held", labels, max(record.released_at - record.lease.acquired_at, 0.0))
 
 
 def waited(task: str | None, seconds: float) -> None:
     """An acquisition got its key after ``seconds`` of waiting (0 when it was free)."""
     if _on:
-        _child("wait", task or "").observe(seconds)
+        _update("wait", (task or "",), seconds)
 
 
 def busy(task: str | None, policy: str) -> None:
     """A task found its key busy, and applies ``policy``."""
     if _on:
-        _child("busy", task or "", policy).inc()
+        _update("busy", (task or "", policy))
 
 
 def lost(lease: Lease) -> None:
     """A lease was lost while held."""
     if _on:
-        _child("lost", lease.holder.task_name or "").inc()
+        _update("lost", (lease.holder.task_name or "",))
 
 
 def store_call(backend: str, operation: str, started: float) -> None:
     """A store call that began at ``started`` (``time.perf_counter()``) ended."""
     if _on:
-        _child("store", backend, operation).observe(time.perf_counter() - started)
+        _update("store", (backend, operation), time.perf_counter() - started)
 
 
 def store_error(backend: str, operation: str) -> None:
     """A store call failed."""
     if _on:
-        _child("errors", backend, operation).inc()
+        _update("errors", (backend, operation))
 
 
 def reaped(reason: str) -> None:
     """A dead lease was cleared (``disconnected`` or ``expired``): by the janitor, or by
     the acquire that took its key over."""
     if _on:
-        _child("reaped", reason).inc()
+        _update("reaped", (reason,))
 
 
 def collector(registry: Any = None, path: str | None = None) -> Any:

@@ -303,6 +303,8 @@ def _record_lost(backend: LockBackend, ending: Ending) -> None:
     lost = Record(lease, now, Outcome.LOST, "lost", truncate_utf8(text, DETAILS_LIMIT), None)
     backend.add_record(lost)
     metrics.released(lost)
+    if not ending.reported:  # else counted when it was reported (``report_lost``)
+        metrics.lost(lease)
     logger.log(
         logging.WARNING if ending.reported else logging.ERROR,
         "lease on %s (fence %d) was lost before release [%s] (outcome %s): %s",

@@ -20,11 +20,12 @@ sideways in its own box, never the page.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from xml.sax.saxutils import escape, quoteattr
+from xml.sax import saxutils
 
 import click
 from click.core import ParameterSource
@@ -71,6 +72,25 @@ _TOP = 58
 #: A fitted window is at least this long, and starts this share of it before the oldest lease.
 _SHORTEST = 5.0
 _MARGIN = 0.05
+
+#: What XML 1.0 forbids in text: C0 controls but tab, newline and return; lone surrogates;
+#: U+FFFE and U+FFFF. One of them in a holder or a problem would make the picture no XML.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _shown(text: str) -> str:
+    """``text`` with what XML forbids written as its escape (``\\x1b``)."""
+    return _NOT_XML.sub(lambda found: ascii(found.group())[1:-1], text)
+
+
+def _escape(text: str) -> str:
+    """``text`` as XML character data."""
+    return saxutils.escape(_shown(text))
+
+
+def _quoteattr(text: str) -> str:
+    """``text`` as a quoted XML attribute value."""
+    return saxutils.quoteattr(_shown(text))
 
 
 @dataclass(frozen=True)
@@ -164,18 +184,18 @@ def render_svg(bars: Sequence[Bar], window: Window, *, fluid: bool = False) -> s
         '<defs><pattern id="held" width="6" height="6" patternUnits="userSpaceOnUse" '
         f'patternTransform="rotate(45)"><rect width="3" height="6" fill="{COLOURS["held"]}"/>'
         "</pattern></defs>",
-        f'<text x="4" y="17" font-weight="bold">{escape(window.caption(bars))}</text>',
+        f'<text x="4" y="17" font-weight="bold">{_escape(window.caption(bars))}</text>',
     ]
     if window.note():
         parts.append(
-            f'<text class="window" x="4" y="35" fill="#555">{escape(window.note())}</text>'
+            f'<text class="window" x="4" y="35" fill="#555">{_escape(window.note())}</text>'
         )
     parts += _axis(since, until, x, height)
     for key, n in rows.items():
         y = _TOP + _ROW * n
         parts.append(
             f'<text class="key" x="{_LABEL - 6}" y="{y + 15}" text-anchor="end">'
-            f"{escape(_clip(key))}<title>{escape(key)}</title></text>"
+            f"{_escape(_clip(key))}<title>{_escape(key)}</title></text>"
         )
     for bar in sorted(bars, key=lambda bar: (bar.lease.key, bar.start)):
         y = _TOP + _ROW * rows[bar.lease.key] + 2
@@ -190,10 +210,10 @@ def render_svg(bars: Sequence[Bar], window: Window, *, fluid: bool = False) -> s
             "data-outcome": bar.outcome,
             "data-holder": bar.lease.holder.describe(),
         }
-        attrs = " ".join(f"{name}={quoteattr(value)}" for name, value in attributes.items())
+        attrs = " ".join(f"{name}={_quoteattr(value)}" for name, value in attributes.items())
         parts.append(
             f'<rect {attrs} x="{left:.2f}" y="{y}" width="{width:.2f}" height="{_ROW - 4}" '
-            f'fill="{fill}"><title>{escape(bar.title())}</title></rect>'
+            f'fill="{fill}"><title>{_escape(bar.title())}</title></rect>'
         )
     parts += _legend(height - 14)
     parts.append("</svg>")
@@ -218,7 +238,7 @@ def _axis(since: float, until: float, x: Callable[[float], float], height: int) 
             f'<line x1="{left:.1f}" y1="{_TOP - 6}" x2="{left:.1f}" y2="{height - 34}" '
             'stroke="#e0e0e0"/>'
             f'<text x="{left:.1f}" y="{_TOP - 10}" text-anchor="middle" fill="#555">'
-            f"{escape(time.strftime('%H:%M:%S', time.localtime(tick)))}</text>"
+            f"{_escape(time.strftime('%H:%M:%S', time.localtime(tick)))}</text>"
         )
         tick += step
     return parts
@@ -231,7 +251,7 @@ def _legend(y: int) -> list[str]:
         fill = "url(#held)" if name == "held" else colour
         parts.append(
             f'<rect x="{left}" y="{y - 10}" width="12" height="12" fill="{fill}"/>'
-            f'<text x="{left + 16}" y="{y}">{escape(name)}</text>'
+            f'<text x="{left + 16}" y="{y}">{_escape(name)}</text>'
         )
         left += 22 + 8 * len(name)
     return parts
@@ -243,7 +263,7 @@ def page(svg: str, title: str) -> str:
     return (
         '<!DOCTYPE html>\n<html><head><meta charset="utf-8"/>'
         '<meta name="viewport" content="width=device-width, initial-scale=1"/>'
-        f"<title>{escape(title)}</title></head><body>\n"
+        f"<title>{_escape(title)}</title></head><body>\n"
         f'<div class="timeline" style="overflow-x: auto">{svg}</div></body></html>\n'
     )
 

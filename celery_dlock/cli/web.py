@@ -1,6 +1,7 @@
 """The page of ``celery dlock serve``: a Flask app over one lock store (the ``[web]`` extra).
 
-- ``/``: the live leases (key, holder, age, fence, expiry; gone holders marked), the history
+- ``/``: the live leases (key, holder, age, fence, expiry; gone holders marked; the oldest
+  ``limit`` of them, with the count of all), the history
   with filters (key prefix, outcome, problems only, time range, limit), each record's
   exception type and message, its traceback one click away, and the timeline picture of the
   same range, as wide as the window (see :mod:`celery_dlock.cli.timeline`); without a
@@ -43,7 +44,7 @@ from celery_dlock.cli.render import (
 from celery_dlock.cli.timeline import COLOURS, Bar, Window, newest_matching, render_svg
 from celery_dlock.errors import DLockError, LockKeyError
 from celery_dlock.keys import validate_key
-from celery_dlock.records import Outcome, Record
+from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = ["MAX_LIMIT", "Page", "make_app"]
 
@@ -101,7 +102,7 @@ def make_app(
     def index() -> Response:
         page = _page(prefix)
         now = time.time()
-        leases = backend.leases(page.prefix)
+        leases, held = _leases(backend, page)
         records = _records(backend, page)
         bars = [Bar.of(r) for r in records] + [
             Bar(lease, lease.acquired_at, now, "held") for lease in leases
@@ -114,6 +115,7 @@ def make_app(
             page=page,
             outcomes=[o.value for o in Outcome],
             leases=[_lease_row(lease, now) for lease in leases],
+            held=held,
             records=[_record_row(record) for record in records],
             svg=render_svg(bars, window, fluid=True),
             colours=COLOURS,
@@ -135,9 +137,7 @@ def make_app(
         now = time.time()
         records = _records(backend, page)
         bars = [Bar.of(r) for r in records]
-        bars += [
-            Bar(lease, lease.acquired_at, now, "held") for lease in backend.leases(page.prefix)
-        ]
+        bars += [Bar(lease, lease.acquired_at, now, "held") for lease in _leases(backend, page)[0]]
         return Response(render_svg(bars, page.window(bars)), mimetype="image/svg+xml")
 
     @app.get("/metrics")
@@ -258,6 +258,14 @@ def _records(backend: LockBackend, page: Page) -> list[Record]:
     return found[: page.limit]
 
 
+def _leases(backend: LockBackend, page: Page) -> tuple[list[Lease], int]:
+    """The oldest ``page.limit`` leases under the prefix (a stuck one is what an operator
+    looks for), in key order, and how many are held in all: a backlog of thousands keeps
+    the page a page."""
+    leases = sorted(backend.leases(page.prefix), key=lambda lease: lease.acquired_at)
+    return sorted(leases[: page.limit], key=lambda lease: lease.key), len(leases)
+
+
 def _lease_row(lease: Any, now: float) -> dict[str, Any]:
     return {
         "key": lease.key,
@@ -294,12 +302,19 @@ def _metrics(backend: LockBackend, page: Page) -> str:
     now = time.time()
     leases = backend.leases(page.prefix)
     oldest = max((now - lease.acquired_at for lease in leases), default=0.0)
-    # One query per outcome, each of at most MAX_LIMIT records: a busy store's successes
-    # must not crowd its failures out of the count.
+    # One query per outcome, each of at most MAX_LIMIT records of the prefix in the window:
+    # a busy store's successes must not crowd its failures out of the count, nor other
+    # keys' records this prefix's.
     counts = {
-        outcome.value: sum(
-            record.key.startswith(page.prefix)
-            for record in backend.history(outcome=outcome, since=page.since, limit=MAX_LIMIT)
+        outcome.value: len(
+            newest_matching(
+                backend,
+                page.prefix,
+                outcome=outcome,
+                since=page.since,
+                until=page.until,
+                limit=MAX_LIMIT,
+            )
         )
         for outcome in Outcome
     }
@@ -340,7 +355,9 @@ form.filters label { margin-right: 1em; }
 <p>Store: <code id="store">{{ where }}</code>. Window {{ since_text }} to {{ until_text }}
 {%- if fitted_since %}, fitted to the leases since {{ fitted_since }}{% endif %}.
 <a href="/metrics">/metrics</a></p>
-<h2>Held now ({{ leases|length }})</h2>
+<h2>Held now ({{ held }})</h2>
+{% if held > leases|length %}<p id="more">The oldest {{ leases|length }} shown: narrow the
+key prefix, or raise the limit.</p>{% endif %}
 <table id="leases"><tr><th>key</th><th>holder</th><th>age</th><th>fence</th><th>expires</th>
 {% if releasing %}<th>release</th>{% endif %}</tr>
 {% for lease in leases %}<tr class="lease">

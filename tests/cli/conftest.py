@@ -36,6 +36,21 @@ def postgres_store() -> Iterator[CliStore]:
         admin.close()
 
 
+@contextmanager
+def redis_store(tag: str = "cli") -> Iterator[CliStore]:
+    """Redis DB 4 under a fresh key prefix ``dlock-<tag>-...``, its keys deleted afterwards."""
+    client = redis_client()
+    prefix = f"dlock-{tag}-{os.urandom(5).hex()}"
+    url = f"{REDIS_URL}?prefix={prefix}"
+    try:
+        with backend_from_url(url) as backend:
+            yield CliStore("redis", url, backend)
+    finally:
+        for name in client.scan_iter(match=f"*{prefix}*", count=1000):
+            client.delete(name)
+        client.close()
+
+
 @pytest.fixture
 def pg_store() -> Iterator[CliStore]:
     """The Postgres store alone."""
@@ -53,16 +68,8 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[CliStore]:
         with postgres_store() as store:
             yield store
     else:
-        client = redis_client()
-        prefix = f"dlock-cli-{os.urandom(5).hex()}"
-        url = f"{REDIS_URL}?prefix={prefix}"
-        try:
-            with backend_from_url(url) as backend:
-                yield CliStore("redis", url, backend)
-        finally:
-            for name in client.scan_iter(match=f"*{prefix}*", count=1000):
-                client.delete(name)
-            client.close()
+        with redis_store() as store:
+            yield store
 
 
 @pytest.fixture
