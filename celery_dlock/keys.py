@@ -21,9 +21,21 @@ from enum import Enum
 from typing import Any
 
 from celery_dlock.backends.base import MAX_KEY_BYTES
-from celery_dlock.errors import LockKeyError
+from celery_dlock.errors import ConfigurationError, LockKeyError
 
-__all__ = ["MAX_KEY_BYTES", "KeyTemplate", "canonical", "validate_key"]
+__all__ = [
+    "MAX_KEY_BYTES",
+    "MAX_LIMIT",
+    "KeyTemplate",
+    "canonical",
+    "slot_keys",
+    "validate_key",
+    "validate_limit",
+]
+
+#: The most slots a key may have: a busy attempt reads each (``lock_limit=10**9`` would
+#: build a billion names before its first try).
+MAX_LIMIT = 1000
 
 _FORMATTER = string.Formatter()
 _LITERAL_PLACEHOLDER = re.compile(r"<([A-Za-z_]\w*(?:\.\w+|\[[^\[\]<>{}]+\])*)>")
@@ -55,6 +67,37 @@ def validate_key(key: str) -> str:
         if unicodedata.category(char) == "Cc" or char in "\u2028\u2029":
             raise LockKeyError(f"the lock key {key!r} contains the control character {char!r}")
     return key
+
+
+def validate_limit(limit: int) -> int:
+    """``limit`` as a count of slots from 1 to :data:`MAX_LIMIT`; a ConfigurationError
+    otherwise."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ConfigurationError(f"limit must be a whole number >= 1, not {limit!r}")
+    if limit > MAX_LIMIT:
+        raise ConfigurationError(
+            f"limit must be at most {MAX_LIMIT} (slots per key; each busy attempt reads "
+            f"every one), not {limit}"
+        )
+    return limit
+
+
+def slot_keys(key: str, limit: int) -> tuple[str, ...]:
+    """The keys a holder of ``key`` with ``limit`` may take: ``key`` itself (1), or its
+    slots ``key#0`` .. ``key#<limit-1>``.
+
+    Raises:
+        LockKeyError: a slot's key is too long (the limit adds ``#<n>`` to ``key``).
+    """
+    if limit == 1:
+        return (key,)
+    try:
+        return tuple(validate_key(f"{key}#{n}") for n in range(limit))
+    except LockKeyError as exc:
+        raise LockKeyError(
+            f"with limit={limit} a holder takes one of the slots {key[:40]!r}...#0 .. "
+            f"#{limit - 1}, and the suffix makes the key too long: {exc}"
+        ) from None
 
 
 #: Between a lock key and the task's name in the key of a dedupe mark:

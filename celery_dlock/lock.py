@@ -28,7 +28,7 @@ from celery_dlock.errors import (
     LockTimeoutError,
 )
 from celery_dlock.events import fields
-from celery_dlock.keys import validate_key
+from celery_dlock.keys import slot_keys, validate_key, validate_limit
 from celery_dlock.process import abandon, held, shared_backend
 from celery_dlock.records import (
     Holder,
@@ -41,7 +41,7 @@ from celery_dlock.records import (
 from celery_dlock.releasing import Ending, end_block
 from celery_dlock.renewal import Renewer, report_lost
 
-__all__ = ["DEFAULT", "Lock", "validate_limit", "validate_wait"]
+__all__ = ["DEFAULT", "Lock", "validate_wait"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -64,13 +64,6 @@ def validate_wait(wait: float | None) -> float | None:
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
         raise ConfigurationError(f"wait must be seconds >= 0 or None, not {wait!r}")
     return float(wait)
-
-
-def validate_limit(limit: int) -> int:
-    """``limit`` as a count of slots >= 1; a ConfigurationError otherwise."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ConfigurationError(f"limit must be a whole number >= 1, not {limit!r}")
-    return limit
 
 
 class Lock:
@@ -128,11 +121,7 @@ class Lock:
         self.metadata = check_metadata(metadata)
         self.limit = validate_limit(limit)
         #: The keys a holder may take: the key itself, or its ``limit`` slots.
-        self.slots: tuple[str, ...] = (
-            (self.key,)
-            if self.limit == 1
-            else tuple(validate_key(f"{self.key}#{n}") for n in range(self.limit))
-        )
+        self.slots = slot_keys(self.key, self.limit)
         self.ttl = self.backend.default_ttl if ttl is None else validate_ttl(ttl)
         self.wait = validate_wait(wait)
         self.holder = holder
@@ -228,8 +217,10 @@ class Lock:
             return self.backend.try_acquire(self.key, holder, self.ttl, replace, place)
         slots = random.sample(self.slots, self.limit)
         if replace is not None:  # the slot of the lease it takes over first
-            kept = {lease.key for lease in self.holders() if lease.token == replace}
-            slots.sort(key=lambda slot: slot not in kept)
+            kept = held().lease(replace)  # kept by this process: no read of every slot
+            ours = [kept] if kept else [lease for lease in self.holders() if lease.token == replace]
+            first = {lease.key for lease in ours}
+            slots.sort(key=lambda slot: slot not in first)
         for slot in slots:
             mine = place if place is not None and place.key == slot else None
             lease = self.backend.try_acquire(slot, holder, self.ttl, replace, mine)
@@ -418,7 +409,8 @@ class Lock:
         Raises:
             BackendError: the store failed.
         """
-        return self.backend.get(self.key) if self.limit == 1 else next(iter(self.holders()), None)
+        gets = (self.backend.get(slot) for slot in self.slots)  # one read a slot, up to one held
+        return next((lease for lease in gets if lease is not None), None)
 
     def holders(self) -> list[Lease]:
         """Every lease on this key now (on each of its slots, with a ``limit``).

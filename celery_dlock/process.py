@@ -63,6 +63,12 @@ class _Held:
                 token, _ = self._leases.popitem(last=False)
                 self._threads.pop(token, None)
 
+    def lease(self, token: str) -> Lease | None:
+        """The lease of ``token``, if this process holds or keeps it."""
+        with self._mutex:
+            entry = self._leases.get(token)
+        return None if entry is None else entry[1]
+
     def discard(self, token: str) -> None:
         with self._mutex:
             self._leases.pop(token, None)

@@ -45,7 +45,7 @@ def apply_policy(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) -> An
     record, the error, or a re-queue."""
     policy = task.on_locked
     metrics.busy(task.name, "callable" if callable(policy) else str(policy))
-    current = current_lease(lock, exc.key)
+    current = current_lease(lock, exc.key, task.request.id)
     if isinstance(lock, Lock) and ended_own_dead_attempt(task, lock, current):
         attempt = int(header(task.request, BUSY_HEADER) or 0)
         return requeue(task, exc, f"{lock.key} was held by a dead attempt of this task", attempt)
@@ -77,7 +77,7 @@ def after_predecessor(task: Any, lock: Lock | Locks, exc: LockNotAcquiredError) 
     at once; it must not be re-queued, skipped or failed for its own predecessor."""
     if not isinstance(lock, Lock) or not lineage(task.request)[0]:
         return False
-    current = current_lease(lock, exc.key)
+    current = current_lease(lock, exc.key, task.request.id)
     if current is None or current.holder.task_id != task.request.id:
         return False
     try:
@@ -166,9 +166,17 @@ def header(request: Any, name: str) -> Any:
     return value if value is not None else getattr(request, name, None)
 
 
-def current_lease(lock: Lock | Locks, busy: str) -> Lease | None:
-    """The lease on the key found busy (of a set: ``busy``), or None."""
+def current_lease(lock: Lock | Locks, busy: str, task_id: str | None = None) -> Lease | None:
+    """The lease on the key found busy (of a set: ``busy``), or None; with a ``limit``,
+    ``task_id``'s own on a slot if there is one (an earlier attempt of the same run: its
+    dead process's slot is to be ended), else one of them."""
     try:
-        return lock.backend.get(busy) if isinstance(lock, Locks) else lock.current()
+        if isinstance(lock, Locks):
+            return lock.backend.get(busy)
+        if lock.limit == 1:
+            return lock.current()
+        leases = lock.holders()
     except BackendError:
         return None
+    own = [lease for lease in leases if task_id and lease.holder.task_id == task_id]
+    return next(iter(own or leases), None)

@@ -14,8 +14,8 @@ from celery import Task
 from celery_dlock.backends.base import validate_ttl
 from celery_dlock.celery import dedupe
 from celery_dlock.errors import ConfigurationError, LockKeyError
-from celery_dlock.keys import KeyTemplate
-from celery_dlock.lock import DEFAULT, validate_limit, validate_wait
+from celery_dlock.keys import KeyTemplate, validate_limit
+from celery_dlock.lock import DEFAULT, validate_wait
 
 __all__ = ["ON_LOCKED", "ON_LOST", "OURS", "check_base", "check_options", "define"]
 

@@ -196,17 +196,16 @@ def _records_of(
     key: str | None,
     query: Callable[..., list[Record]],
     *,
-    filtered: bool,
     limit: int,
 ) -> tuple[list[Record], list[str]]:
     """The records ``query`` matches for ``key`` (every key: None), and the slots searched:
-    a key with no records of its own (a filter may have hidden them: asked again without)
-    that was taken with a limit has its slots' records instead, newest first."""
+    a key taken with a limit has its slots' records with its own (a run that found every
+    slot busy and was skipped is recorded on the key itself), newest first."""
     records = query(key=key)
-    if key is None or records or (filtered and backend.history(key=key, limit=1)):
+    if key is None:
         return records, []
     slots = _slots_in_use(backend, key)
-    found = [record for slot in slots for record in query(key=slot)]
+    found = records + [record for slot in slots for record in query(key=slot)]
     found.sort(key=lambda record: record.released_at, reverse=True)
     return found[:limit], slots
 
@@ -252,15 +251,14 @@ def history(
     query = functools.partial(
         query_history, env.backend, outcome=kind, problems=problems, since=since, limit=limit
     )
-    filtered = kind is not None or problems or since is not None
-    records, slots = _records_of(env.backend, key, query, filtered=filtered, limit=limit)
+    records, slots = _records_of(env.backend, key, query, limit=limit)
     if as_json:
         found = [record_json(record) for record in records]
         env.emit_json({"backend": env.url, "records": found, "slots": slots})
         return
     if slots:
-        shown = "the records of" if records else "no record matches in"
-        text = f"{key} has no records of its own: a key taken with a limit; {shown} its slots"
+        shown = "with the records of" if records else "no record matches in it or in"
+        text = f"{key} is a key taken with a limit: {shown} its slots"
         env.echo(f"{text} {', '.join(slots)}", err=True)
     if not records:
         hint = "" if key is None or slots else _key_hint(env, key, history=True)
