@@ -33,8 +33,8 @@ __all__ = [
     "validate_limit",
 ]
 
-#: The most slots a key may have: a busy attempt reads each (``lock_limit=10**9`` would
-#: build a billion names before its first try).
+#: The most slots a key may have: an attempt on a full key tries each, and each is named
+#: up front (``lock_limit=10**9`` built a billion names before its first try).
 MAX_LIMIT = 1000
 
 _FORMATTER = string.Formatter()
@@ -76,8 +76,8 @@ def validate_limit(limit: int) -> int:
         raise ConfigurationError(f"limit must be a whole number >= 1, not {limit!r}")
     if limit > MAX_LIMIT:
         raise ConfigurationError(
-            f"limit must be at most {MAX_LIMIT} (slots per key; each busy attempt reads "
-            f"every one), not {limit}"
+            f"limit must be at most {MAX_LIMIT} (slots per key: an attempt on a full key "
+            f"tries every one), not {limit}"
         )
     return limit
 

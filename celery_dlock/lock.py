@@ -80,7 +80,7 @@ class Lock:
         renew: renew from a background thread every ``ttl / 3`` while held (default: with a ttl).
         on_lost: called from a background thread when the lease is lost: a renewal found it
             gone, or (no ``ttl``, a store whose liveness is a session) its session ended.
-        limit: at most this many holders at once (a semaphore): each holds one of
+        limit: at most this many holders at once (a semaphore; up to 1,000): each holds one of
             ``limit`` slots, the keys ``key#0`` .. ``key#<limit-1>``, with a lease, token
             and fence of its own; slots are tried in a random order, and a waiter is woken
             by the release of any of them (``wait_any``). 1: the key itself.
