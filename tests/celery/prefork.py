@@ -18,6 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import kombu.exceptions
+import redis.exceptions
+
 from celery_dlock import backend_from_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.records import Record
@@ -131,12 +134,18 @@ class Worker:
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(args, env=self.env, stdout=log, stderr=log, cwd=HERE)
-        eventually(
-            lambda: self.app.control.ping(destination=[self.hostname], timeout=0.5),
-            "worker ready",
-            timeout=60,
-        )
+        eventually(self._ready, "worker ready", timeout=60)
         return self
+
+    def _ready(self) -> bool:
+        """Whether the worker answers a ping. A broker connection of this process that the
+        server closed while idle in the app's pool (seen twice in full runs on a loaded
+        machine: "Connection closed by server" at its health check) is not the worker's
+        answer: asked again, on a new connection."""
+        try:
+            return bool(self.app.control.ping(destination=[self.hostname], timeout=0.5))
+        except (redis.exceptions.ConnectionError, kombu.exceptions.OperationalError):
+            return False
 
     def stop(self) -> None:
         if self.process is None:
