@@ -134,7 +134,11 @@ class Worker:
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(args, env=self.env, stdout=log, stderr=log, cwd=HERE)
-        eventually(self._ready, "worker ready", timeout=60)
+        try:
+            eventually(self._ready, "worker ready", timeout=60)
+        except BaseException:
+            self.stop()  # else its process runs on, and its Popen warns in a later test
+            raise
         return self
 
     def _ready(self) -> bool:
