@@ -55,6 +55,9 @@ class Outcome(str, Enum):
     DEQUEUED = "dequeued"
     #: Let go without a release: its Lock collected while held, or its process ended.
     ABANDONED = "abandoned"
+    #: A ``once`` success forgotten by an operator (``celery-dlock forget``): the record of
+    #: that act, on the key, with a lease of its own (fence 0).
+    FORGOTTEN = "forgotten"
 
     def __str__(self) -> str:
         return self.value

@@ -326,6 +326,17 @@ class LockBackend(ABC):
         """
 
     @abstractmethod
+    def forget_success(self, key: str, task_name: str, token: str) -> bool:
+        """Forget the success kept on ``key`` for ``task_name`` (what ``last_success``
+        answers) if it is still the one kept by the lease with ``token``: the next ``once``
+        run of that task on that key runs its body. For an operator who undoes an effect
+        (``celery-dlock forget``); a success kept since by another lease stays.
+
+        Returns:
+            True if that success was kept and is now forgotten, False if it was not kept.
+        """
+
+    @abstractmethod
     def reap(self, limit: int = 100) -> list[Record]:
         """Clear up to ``limit`` leases whose holder is gone or whose time ran out, each
         recorded as ``disconnected`` or ``expired``."""

@@ -223,6 +223,14 @@ class MemoryBackend(LockBackend):
         with self._changed:
             return self._keep(record, task_name)
 
+    def forget_success(self, key: str, task_name: str, token: str) -> bool:
+        with self._changed:
+            kept = self._successes.get((key, task_name))
+            if kept is None or kept.lease.token != token:
+                return False
+            del self._successes[key, task_name]
+            return True
+
     def reap(self, limit: int = 100) -> list[Record]:
         reaped: list[Record] = []
         with self._changed:

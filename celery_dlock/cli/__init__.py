@@ -7,7 +7,8 @@ Usage::
     celery-dlock --backend postgresql://... doctor
     DLOCK_BACKEND=redis://cache:6379/1 celery-dlock release job:order:42 --reason "stuck"
 
-Commands (the same in both): ``leases [PREFIX]``, ``history``, ``release KEY``, ``reap``,
+Commands (the same in both): ``leases [PREFIX]``, ``history``, ``release KEY``, ``forget KEY
+--task NAME`` (what ``once`` keeps: see :mod:`celery_dlock.cli.forget`), ``reap``,
 ``migrate``, ``doctor``, ``timeline -o FILE.svg`` (a picture of the leases: see
 :mod:`celery_dlock.cli.timeline`), each of which takes ``--json``; ``run KEY -- COMMAND`` (a
 command under the lock, for cron: see :mod:`celery_dlock.cli.run`) and ``serve`` (a web page
@@ -33,6 +34,7 @@ import click
 from celery_dlock.cli.commands import COMMANDS
 from celery_dlock.cli.doctor import doctor
 from celery_dlock.cli.env import Env, Target, UsageFailure
+from celery_dlock.cli.forget import forget
 from celery_dlock.cli.janitor import migrate, reap
 from celery_dlock.cli.run import run
 from celery_dlock.cli.serve import serve
@@ -59,8 +61,8 @@ def _drop(record: logging.LogRecord) -> bool:
 def dlock(
     ctx: click.Context, /, backend_url: str | None, namespace: str | None, **_preload: Any
 ) -> None:
-    """Inspect and manage celery-dlock locks: leases, history, release, reap, migrate, doctor,
-    run, timeline, serve."""
+    """Inspect and manage celery-dlock locks: leases, history, release, forget, reap, migrate,
+    doctor, run, timeline, serve."""
     # Celery < 5.7 passes the app's preload options to plugin commands: hence **_preload.
     app = getattr(ctx.obj, "app", None)
     if app is None:
@@ -133,6 +135,6 @@ def main(ctx: click.Context, /, backend_url: str | None, namespace: str) -> None
     ctx.obj = Env(resolve)
 
 
-for _command in (*COMMANDS, reap, migrate, doctor, run, timeline, serve):
+for _command in (*COMMANDS, forget, reap, migrate, doctor, run, timeline, serve):
     dlock.add_command(_command)
     main.add_command(_command)

@@ -37,7 +37,7 @@ from celery_dlock.cli.render import (
 from celery_dlock.keys import validate_key
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "store_now"]
+__all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "confirmed", "operator", "store_now"]
 
 #: ``--json`` on every command.
 JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
@@ -298,7 +298,7 @@ def _show_records(env: Env, records: list[Record], *, details: bool) -> None:
 
 
 def operator() -> str:
-    """``user@host`` of whoever runs the command, for the record of a forced release."""
+    """``user@host`` of whoever runs the command, for the record of what it did."""
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for our uid (a bare container)
@@ -343,7 +343,7 @@ def release(
         _finish(env, as_json, key, "changed", text, current=lease)
     env.echo(f"lease on {key}:\n{lease_lines(lease, now)}", err=as_json)
     question = f"Release it (fence {lease.fence}), recorded as forced?"
-    if not force and not _confirmed(env, question, err=as_json):
+    if not force and not confirmed(env, question, err=as_json):
         _finish(env, as_json, key, "declined", "not released", shown=lease)
     details = f"released by {operator()} with celery-dlock release: {reason}"
     record = backend.release(lease, Outcome.FORCED, "forced", details)
@@ -353,7 +353,7 @@ def release(
     _not_released(env, as_json, lease)
 
 
-def _confirmed(env: Env, question: str, *, err: bool) -> bool:
+def confirmed(env: Env, question: str, *, err: bool) -> bool:
     """The operator's answer; none (stdin closed: cron, a script) is a no, reported as such
     (click's Abort printed no JSON); Ctrl-C is a KeyboardInterrupt again: exit 130, not 1."""
     try:

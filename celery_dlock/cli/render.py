@@ -51,6 +51,7 @@ PROBLEM_OUTCOMES = (
     Outcome.FORCED,
     Outcome.LOST,
     Outcome.ABANDONED,  # a Lock dropped while held, or a process that ended holding it
+    Outcome.FORGOTTEN,  # an operator undid what once keeps: the next run runs its body
 )
 
 #: The longest duration an option takes (100 years): past it, stores and clocks overflow.

@@ -57,6 +57,7 @@ COLOURS = {
     Outcome.LOST.value: "#212121",
     Outcome.DEQUEUED.value: "#00838f",
     Outcome.ABANDONED.value: "#f9a825",
+    Outcome.FORGOTTEN.value: "#455a64",
     "held": "#64b5f6",
 }
 #: The picture's width in its own units (``viewBox``): a ``.svg`` file opens this wide.

@@ -354,6 +354,13 @@ class FileBackend(LockBackend):
             message = f"cannot read the success of {key!r} in {path}: {exc}"
             raise BackendError(message, self.url) from exc
 
+    def forget_success(self, key: str, task_name: str, token: str) -> bool:
+        path = history.success_path(self._success_dir, key, task_name)
+        try:
+            return history.forget_success(path, token)
+        except (OSError, ValueError) as exc:
+            raise BackendError(f"cannot forget the success of {key!r}: {exc}", self.url) from exc
+
     def reap(self, limit: int = 100) -> list[Record]:
         reaped: list[Record] = []
         for key in self._keys():

@@ -292,6 +292,20 @@ def write_success(path: str, record: Record, *, fsync: bool, first: bool = False
     return True
 
 
+def forget_success(path: str, token: str) -> bool:
+    """Remove the success file ``path`` if the lease with ``token`` kept it; whether it did.
+    Only that lease's own release rewrites the file in place, so no other success can come
+    between the read and the unlink."""
+    kept = read_success(path)
+    if kept is None or kept.lease.token != token:
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # forgotten by another operator meanwhile
+        return False
+    return True
+
+
 def read_success(path: str) -> Record | None:
     """The record in the success file ``path``, or None if there is none."""
     try:

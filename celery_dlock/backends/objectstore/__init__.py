@@ -443,6 +443,9 @@ class ObjectStoreBackend(LockBackend):
     def remember(self, record: Record) -> bool:
         return records.remember(self, record)
 
+    def forget_success(self, key: str, task_name: str, token: str) -> bool:
+        return records.forget(self, key, task_name, token)
+
     def prune_history(self, before: float) -> int:
         return records.prune(self, before)
 

@@ -35,6 +35,7 @@ __all__ = [
     "add",
     "ending",
     "flush",
+    "forget",
     "keep",
     "landed",
     "last_success",
@@ -236,6 +237,45 @@ def remember(backend: ObjectStoreBackend, record: Record) -> bool:
         return False
     version, _ = backend.objects.put(name, body, found.version, "remember")
     return version is not None
+
+
+#: Swaps of a lock object tried to forget a success, against writes racing them.
+_FORGET_ATTEMPTS = 8
+
+
+def forget(backend: ObjectStoreBackend, key: str, task_name: str, token: str) -> bool:
+    """Forget the success of ``task_name`` on ``key`` kept by the lease with ``token``: out
+    of the lock object's ``successes`` (a compare-and-swap that carries the rest, a lease
+    held included), then its ``success/`` object (a delete by version). Whether it was kept.
+
+    Raises:
+        BackendError: the lock object changed under every swap tried.
+    """
+    name = backend.layout.lock(key)
+    forgotten = False
+    for _ in range(_FORGET_ATTEMPTS):
+        state = backend.objects.decode(backend.objects.read(name), name)
+        kept = None if state is None else state.successes.get(task_name)
+        if state is None or kept is None or kept["lease"]["token"] != token:
+            break
+        rest = {task: record for task, record in state.successes.items() if task != task_name}
+        written, _ = backend.objects.write_state(
+            name, state, state.key, state.fence, state.lease, freed_at=state.freed_at,
+            successes=rest,
+        )  # fmt: skip
+        if written is not None:
+            forgotten = True
+            break
+    else:
+        raise BackendError(f"{name!r} changed under every try to forget a success", backend.url)
+    store = backend.store()
+    for success in list(store.names(backend.layout.success_dir(key, task_name))):
+        found = backend.objects.read(success)
+        if found.body is None or found.version is None:
+            continue
+        if Record.from_dict(json.loads(found.body)).lease.token == token:
+            forgotten = store.delete_if(success, found.version) or forgotten
+    return forgotten
 
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:

@@ -24,8 +24,11 @@ from celery_dlock.records import Outcome
 __all__ = ["functions"]
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-#: Outcomes a caller may record (the others are written by the store itself).
-_GIVEN = tuple(o.value for o in Outcome if o not in (Outcome.EXPIRED, Outcome.DISCONNECTED))
+#: Outcomes a caller may record (the store writes expiries and disconnections itself, and
+#: ``forgotten`` is the record of an operator's ``celery-dlock forget``, never a release).
+_GIVEN = tuple(
+    o.value for o in Outcome if o not in (Outcome.EXPIRED, Outcome.DISCONNECTED, Outcome.FORGOTTEN)
+)
 
 
 def _bind(statement: str, names: dict[str, str]) -> str:

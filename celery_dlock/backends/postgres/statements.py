@@ -368,6 +368,12 @@ class Statements:
             f"DELETE FROM {n.history} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {n.history} "
             "WHERE released_at < %(before)s LIMIT %(batch)s))"
         )
+        self.forget_success = (
+            "-- forget_success: key, task_name, token | the kept success deleted, if that "
+            "lease kept it\n"
+            f"DELETE FROM {n.successes} WHERE key = %(key)s AND task_name = %(task_name)s "
+            "AND token = %(token)s"
+        )
 
     def _session(self, n: Names, session: bool) -> None:
         # A lock session must outlive idle_session_timeout; with liveness=ttl nothing is

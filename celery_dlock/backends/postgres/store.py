@@ -326,6 +326,10 @@ class PostgresStore(LockBackend):
 
     # -- janitor and operator ------------------------------------------------------------------
 
+    def forget_success(self, key: str, task_name: str, token: str) -> bool:
+        params = {"key": key, "task_name": task_name, "token": token}
+        return self._write(self._sql.forget_success, params, "forget_success") == 1
+
     def reap(self, limit: int = 100) -> list[Record]:
         return self._clear(self._sql.reap, {"limit": Int8(limit)}, "reap")
 

@@ -108,7 +108,7 @@ from celery_dlock.backends.redis.fields import (
     record_from_fields,
 )
 from celery_dlock.backends.redis.history import ms_floor
-from celery_dlock.backends.redis.history_scripts import ADD, PRUNE, REMEMBER
+from celery_dlock.backends.redis.history_scripts import ADD, FORGET, PRUNE, REMEMBER
 from celery_dlock.backends.redis.layout import Layout
 from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import ACQUIRE, DUE, EXPIRE, PEEK, PROBE, RELEASE, RENEW
@@ -336,6 +336,11 @@ class RedisBackend(LockBackend):
             "last_success", "HGETALL", self._layout.result(key, task_name)
         )
         return record_from_fields(fields) if fields else None
+
+    def forget_success(self, key: str, task_name: str, token: str) -> bool:
+        result_key = self._layout.result(key, task_name)
+        gone = self._client.eval(FORGET, [result_key], [token], operation="forget", key=key)
+        return bool(gone)
 
     def reap(self, limit: int = 100) -> list[Record]:
         """Records ``expired`` the leases that Redis expired, found through the index (by

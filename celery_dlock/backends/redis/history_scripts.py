@@ -1,12 +1,12 @@
 """The Lua scripts of the Redis backend that write history apart from a lease's end:
-pruning it, a record added by the client, a success kept for ``once``. Stored form: see
-:mod:`celery_dlock.backends.redis.scripts`."""
+pruning it, a record added by the client, a success kept for ``once`` and its forgetting.
+Stored form: see :mod:`celery_dlock.backends.redis.scripts`."""
 
 from __future__ import annotations
 
 from celery_dlock.backends.redis.scripts import Script
 
-__all__ = ["ADD", "FIND", "PRUNE", "REMEMBER"]
+__all__ = ["ADD", "FIND", "FORGET", "PRUNE", "REMEMBER"]
 
 PRUNE = Script(
     "prune",
@@ -73,6 +73,18 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
+""",
+)
+
+FORGET = Script(
+    "forget",
+    """
+-- forget: KEYS 1 result key | ARGV 1 the token of the lease that kept it | 1 if that
+-- lease's success was kept and is now gone, else 0
+if redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] then
+  return 0
+end
+return redis.call('DEL', KEYS[1])
 """,
 )
 
