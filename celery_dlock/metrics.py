@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from celery_dlock.errors import ConfigurationError
 from celery_dlock.events import fields
 from celery_dlock.records import Lease, Record
 
@@ -59,6 +60,8 @@ _SLOW = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400
 _on = False
 _mutex = threading.Lock()
 _metrics: dict[str, Any] = {}
+#: The registry the metrics were made in (prometheus_client's global one for None).
+_registry: Any = None
 #: Labelled children by (metric, labels): ``labels()`` costs more than an update.
 _children: dict[tuple[str, tuple[str, ...]], Any] = {}
 _failures = 0
@@ -68,21 +71,27 @@ logger = logging.getLogger("celery_dlock.metrics")
 
 def enable(registry: Any = None) -> None:
     """Turn the metrics on in this process (idempotent), in ``registry`` (default:
-    prometheus_client's global one).
+    prometheus_client's global one, or the registry they were made in already).
 
     Raises:
         ImportError: prometheus_client is not installed (``pip install
             'celery-dlock[metrics]'``).
+        ConfigurationError: they were made in another registry already: a process counts
+            in one registry.
     """
-    global _on
+    global _on, _registry
     with _mutex:
-        if _on:
-            return
-        if _metrics:  # made before, then disabled
+        if _metrics:  # made before (on, or disabled since)
+            if registry is not None and registry is not _registry:
+                raise ConfigurationError(
+                    f"celery-dlock's metrics are in the registry {_registry!r} already, not "
+                    f"in {registry!r}: a process counts in one registry (call enable() with "
+                    "that one, or with none)"
+                )
             _on = True
             return
         try:
-            from prometheus_client import Counter, Histogram  # the [metrics] extra
+            from prometheus_client import REGISTRY, Counter, Histogram  # the [metrics] extra
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(
                 "celery-dlock's metrics need prometheus_client, which is not installed: "
@@ -91,6 +100,7 @@ def enable(registry: Any = None) -> None:
             ) from exc
 
         where = {} if registry is None else {"registry": registry}
+        _registry = REGISTRY if registry is None else registry
         _metrics.update(
             releases=Counter(
                 "dlock_releases", "Leases released", ["task", "outcome"], **where

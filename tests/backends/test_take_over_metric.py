@@ -26,9 +26,10 @@ Counted = Callable[[str], float]
 @pytest.fixture
 def reaped() -> Iterator[Counted]:
     """``dlock_reaped_total{reason=...}`` in a registry of this test's own. The metrics of
-    this process are made once (``enable`` ignores a later registry): those made before,
+    this process are made once (``enable`` refuses another registry): those made before,
     in tests/test_metrics.py's registry, are set aside for the test and put back after."""
     saved, children, was_on = dict(metrics._metrics), dict(metrics._children), metrics.enabled()
+    saved_registry = metrics._registry
     metrics.disable()
     metrics._metrics.clear()
     metrics._children.clear()
@@ -42,6 +43,7 @@ def reaped() -> Iterator[Counted]:
         metrics._metrics.update(saved)
         metrics._children.clear()
         metrics._children.update(children)
+        metrics._registry = saved_registry
         if was_on:
             metrics.enable()
 
