@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from celery_dlock import Lock, backend_from_url
+from celery_dlock.cli.commands import SLOT_GAP
+from celery_dlock.cli.commands import _records_of as records_of
 from celery_dlock.records import Holder, Outcome
 from tests.cli.clitools import (
     BIN,
@@ -95,6 +97,40 @@ def test_history_of_a_key_with_records_of_its_own_searches_no_slots(store: CliSt
     assert [r["key"] for r in history_json(store, "--key", key)["records"]] == [key]
     filtered = history_json(store, "--key", key, "--problems")  # its records are filtered out
     assert filtered["records"] == [] and filtered["slots"] == []
+
+
+def test_history_of_a_key_with_runs_of_its_own_asks_for_no_slot() -> None:
+    """Found by a review: ``history --key K`` asked for ``K#0`` .. ``K#2`` by exact key
+    whatever K was, and on Redis each such query scans the stream (0.42 s against 0.10 s
+    for a plain key among 30,000 records). A key with runs of its own (fence > 0) and no
+    slot held or seen now costs the store the same round trips with slots or without:
+    those of K, the slots held and the newest records, and none per slot."""
+    from tests.backends.stores.redis import delete_prefix, store_url
+    from tests.support.countingproxy import CountingProxy
+
+    prefix = f"cli-slots-{os.urandom(4).hex()}"
+    with CountingProxy("127.0.0.1", 6379) as proxy:
+        url = store_url(prefix, f"redis://127.0.0.1:{proxy.port}/4")
+        backend = backend_from_url(url)
+        try:
+            with Lock(backend, "job:plain", holder=Holder.current(task_name="t.plain")):
+                pass
+            skipped = Lock(backend, "job:limited", limit=2)
+            skipped.record_skip("busy", "every slot was busy")
+
+            def trips(key: str) -> int:
+                proxy.reset()
+                records, slots = records_of(
+                    backend, key, lambda **kw: backend.history(limit=50, **kw), limit=50
+                )
+                assert slots == []
+                assert records and records[0].key == key
+                return proxy.round_trips
+
+            assert trips("job:limited") - trips("job:plain") == SLOT_GAP
+        finally:
+            backend.close()
+            delete_prefix(url, prefix)
 
 
 # -- a reader that goes away mid-output ---------------------------------------------------
