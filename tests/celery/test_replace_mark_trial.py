@@ -429,6 +429,29 @@ def test_a_once_sync_whose_replacement_failed_can_be_run_again(trial: TrialWorke
     assert result == {"pages": 2}
 
 
+def test_a_once_sync_whose_replacement_failed_runs_again_once_its_success_is_forgotten(
+    trial: TrialWorker,
+) -> None:
+    """The design gap above, as an operator closes it: ``forget_success`` (what
+    ``celery-dlock forget KEY --task r.paged_once`` runs) of the first page's hand-over,
+    and the next call runs the whole sync again, both pages."""
+    customer = new()
+    first = trial.tasks.paged_once.delay(customer, 1, 2, {"fail": 2})
+    with pytest.raises(ValueError, match="page 2 fails"):
+        first.get(timeout=60)
+    key = f"job:paged_once:{customer}"
+    kept = trial.store.last_success(key, "r.paged_once")
+    assert kept is not None and kept.lease.holder.task_id == first.id
+    assert trial.store.forget_success(key, "r.paged_once", kept.lease.token) is True
+    again = trial.tasks.paged_once.delay(customer, 1, 2, {})
+    assert again.get(timeout=60) == {"pages": 2}
+    settled(trial)
+    assert pages(trial, "paged_once", again.id) == [1, 2]
+    assert sorted(outcomes(trial, key)) == sorted(
+        [Outcome.SUCCEEDED, Outcome.FAILED, Outcome.SUCCEEDED, Outcome.SUCCEEDED]
+    )
+
+
 def _pages_table(lock_url: str) -> str:
     if not lock_url.startswith("postgres"):
         pytest.skip("not applicable: record_success needs the Postgres store")
