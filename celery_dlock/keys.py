@@ -28,6 +28,7 @@ __all__ = [
     "MAX_LIMIT",
     "KeyTemplate",
     "canonical",
+    "replacement_name",
     "slot_keys",
     "validate_key",
     "validate_limit",
@@ -351,3 +352,9 @@ class KeyTemplate:
     def __repr__(self) -> str:
         source = self.template or repr(self.callable)
         return f"KeyTemplate({source!r}, owner={self.owner!r}, namespace={self.namespace!r})"
+
+
+def replacement_name(task_name: str, nesting: int) -> str:
+    """The task name a ``once`` task's replacement ``nesting`` deep (``Task.replace``, a
+    page of a sync) keeps its own success under, on the task's key."""
+    return f"{task_name} (replacement {nesting})"

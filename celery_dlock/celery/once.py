@@ -26,6 +26,7 @@ from celery_dlock.celery.busy import store_failed
 from celery_dlock.celery.outcomes import REPLACED, lineage, replayed
 from celery_dlock.errors import BackendError
 from celery_dlock.events import fields
+from celery_dlock.keys import replacement_name
 from celery_dlock.lock import Lock
 from celery_dlock.records import Outcome, Record, describe_exception
 from celery_dlock.releasing import remember_success
@@ -102,7 +103,7 @@ def step(task: Any, lock: Lock, previous: Record) -> Record | None:
 
 def _step_name(task: Any, nesting: int) -> str:
     """The name a replacement ``nesting`` deep keeps its success under."""
-    return f"{task.name} (replacement {nesting})"
+    return replacement_name(task.name, nesting)
 
 
 def keep_step(request: Any, lock: Lock, result: Any) -> None:

@@ -3,8 +3,10 @@ that task on that key runs its body again (a charge refunded and due again, a su
 was wrong).
 
 The success shown is the one forgotten, by the token of the lease that kept it: a success
-kept since by another run is left alone. The act is recorded on the key as ``forgotten``,
-with who, why and what was forgotten, beside the records of the runs.
+kept since by another run is left alone. So are the successes the task's replacements kept
+(``Task.replace``, a page of a sync: ``NAME (replacement N)``), which a new run's pages
+would replay instead of running. The act is recorded on the key as ``forgotten``, with who,
+why and what was forgotten, beside the records of the runs.
 """
 
 from __future__ import annotations
@@ -15,16 +17,19 @@ from typing import Any, NoReturn
 
 import click
 
+from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.commands import JSON, confirmed, operator
 from celery_dlock.cli.env import Env, guarded
 from celery_dlock.cli.render import human_duration, local_time, record_json
-from celery_dlock.keys import validate_key
+from celery_dlock.keys import replacement_name, validate_key
 from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
 
 __all__ = ["forget"]
 
 #: Characters of the kept result shown before the question (``--json`` has all of it).
 RESULT_SHOWN = 200
+#: Replacements looked up, one nesting deeper each (a duplicate reads as many).
+STEPS = 64
 
 
 @click.command()
@@ -55,7 +60,10 @@ def forget(env: Env, key: str, *, task_name: str, force: bool, reason: str, as_j
     if kept is None:
         text = f"no success of {task_name} is kept on {key!r}{_hint(env, key, task_name)}"
         _finish(env, as_json, key, "not_kept", text)
+    steps = _steps(backend, key, task_name)
     env.echo(f"success kept on {key} for {task_name}:\n{_lines(kept)}", err=as_json)
+    if steps:
+        env.echo(f"  and the successes of its replacements: {', '.join(steps)}", err=as_json)
     question = "Forget it, so that the next run runs its body again?"
     if not force and not confirmed(env, question, err=as_json):
         _finish(env, as_json, key, "declined", "not forgotten", kept=kept)
@@ -65,13 +73,28 @@ def forget(env: Env, key: str, *, task_name: str, force: bool, reason: str, as_j
             "by someone else, or kept by another run); nothing was touched"
         )
         _finish(env, as_json, key, "changed", text, kept=kept)
-    record = _record(kept, task_name, reason)
+    gone = [name for name, step in steps.items() if backend.forget_success(key, name, step)]
+    record = _record(kept, task_name, gone, reason)
     backend.add_record(record)
+    also = f" and of {len(gone)} replacement{'s' * (len(gone) != 1)}" if gone else ""
     text = (
-        f"forgot the success of {task_name} on {key} (fence {kept.fence}); recorded as "
+        f"forgot the success of {task_name}{also} on {key} (fence {kept.fence}); recorded as "
         f"forgotten: {reason}"
     )
     _finish(env, as_json, key, "forgotten", text, kept=kept, record=record)
+
+
+def _steps(backend: LockBackend, key: str, task_name: str) -> dict[str, str]:
+    """The successes kept by ``task_name``'s replacements on ``key``, by name: the token of
+    the lease that kept each, one nesting deeper each, up to the first not kept."""
+    steps: dict[str, str] = {}
+    for nesting in range(1, STEPS + 1):
+        name = replacement_name(task_name, nesting)
+        step = backend.last_success(key, name)
+        if step is None:
+            break
+        steps[name] = step.lease.token
+    return steps
 
 
 def _hint(env: Env, key: str, task_name: str) -> str:
@@ -100,15 +123,16 @@ def _lines(kept: Record) -> str:
     return "\n".join(f"  {name:<9}{value}" for name, value in rows)
 
 
-def _record(kept: Record, task_name: str, reason: str) -> Record:
+def _record(kept: Record, task_name: str, steps: list[str], reason: str) -> Record:
     """The record of the forgetting: a lease of its own (fence 0, a new token) held by this
     process, with what was forgotten, by whom and why in its details."""
     now = time.time()
     lease = Lease(kept.key, new_token(), 0, Holder.current(), now)
+    also = f" and those of {', '.join(steps)}" if steps else ""
     details = (
         f"the success of {task_name} kept by fence {kept.fence} (task id "
-        f"{kept.lease.holder.task_id}, released {local_time(kept.released_at)}) forgotten by "
-        f"{operator()} with celery-dlock forget: {reason}"
+        f"{kept.lease.holder.task_id}, released {local_time(kept.released_at)}){also} "
+        f"forgotten by {operator()} with celery-dlock forget: {reason}"
     )
     return Record(lease, now, Outcome.FORGOTTEN, "forgotten", details)
 

@@ -21,6 +21,7 @@ from celery_dlock.errors import DuplicateTaskError
 from celery_dlock.records import Lease, Record
 from tests.celery.prefork import running
 from tests.celery.test_replace_trial import TrialWorker, new, outcomes, settled, starts
+from tests.cli.clitools import run_cli
 from tests.support import eventually
 
 pytestmark = pytest.mark.slow
@@ -432,24 +433,28 @@ def test_a_once_sync_whose_replacement_failed_can_be_run_again(trial: TrialWorke
 def test_a_once_sync_whose_replacement_failed_runs_again_once_its_success_is_forgotten(
     trial: TrialWorker,
 ) -> None:
-    """The design gap above, as an operator closes it: ``forget_success`` (what
-    ``celery-dlock forget KEY --task r.paged_once`` runs) of the first page's hand-over,
-    and the next call runs the whole sync again, both pages."""
+    """The design gap above, as an operator closes it: ``celery-dlock forget KEY --task
+    r.paged_once`` forgets the first page's hand-over and the success page 2 kept as its
+    replacement (which a new run's page 2 would replay), and the next call runs the whole
+    sync again, every page."""
     customer = new()
-    first = trial.tasks.paged_once.delay(customer, 1, 2, {"fail": 2})
-    with pytest.raises(ValueError, match="page 2 fails"):
+    first = trial.tasks.paged_once.delay(customer, 1, 3, {"fail": 3})
+    with pytest.raises(ValueError, match="page 3 fails"):
         first.get(timeout=60)
-    key = f"job:paged_once:{customer}"
-    kept = trial.store.last_success(key, "r.paged_once")
-    assert kept is not None and kept.lease.holder.task_id == first.id
-    assert trial.store.forget_success(key, "r.paged_once", kept.lease.token) is True
-    again = trial.tasks.paged_once.delay(customer, 1, 2, {})
-    assert again.get(timeout=60) == {"pages": 2}
     settled(trial)
-    assert pages(trial, "paged_once", again.id) == [1, 2]
-    assert sorted(outcomes(trial, key)) == sorted(
-        [Outcome.SUCCEEDED, Outcome.FAILED, Outcome.SUCCEEDED, Outcome.SUCCEEDED]
-    )
+    key = f"job:paged_once:{customer}"
+    step = trial.store.last_success(key, "r.paged_once (replacement 1)")
+    assert step is not None and step.lease.holder.task_id == first.id
+    done = run_cli("--backend", trial.store.url, "forget", key, "--task", "r.paged_once",
+                   "--force", "--reason", "page 3 fixed")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "forgot the success of r.paged_once and of 1 replacement on" in done.stdout
+    assert trial.store.last_success(key, "r.paged_once (replacement 1)") is None
+    again = trial.tasks.paged_once.delay(customer, 1, 3, {})
+    assert again.get(timeout=60) == {"pages": 3}
+    settled(trial)
+    assert pages(trial, "paged_once", again.id) == [1, 2, 3]
+    assert Outcome.FORGOTTEN in outcomes(trial, key)
 
 
 def _pages_table(lock_url: str) -> str:
