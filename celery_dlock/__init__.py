@@ -30,6 +30,7 @@ from celery_dlock.errors import (
     MissingDependencyError,
     UnknownBackendError,
 )
+from celery_dlock.forgetting import forget
 from celery_dlock.keys import KeyTemplate, validate_key
 from celery_dlock.lock import Lock
 from celery_dlock.locks import Locks, lock
@@ -98,6 +99,7 @@ __all__ = [
     "__version__",
     "alock",
     "backend_from_url",
+    "forget",
     "install",
     "lock",
     "mask_url",

@@ -1,12 +1,9 @@
 """``forget KEY --task NAME``: an operator undoes what ``once`` keeps, so that the next run of
 that task on that key runs its body again (a charge refunded and due again, a success that
-was wrong).
+was wrong), through :func:`celery_dlock.forgetting.forget`.
 
-The success shown is the one forgotten, by the token of the lease that kept it: a success
-kept since by another run is left alone. So are the successes the task's replacements kept
-(``Task.replace``, a page of a sync: ``NAME (replacement N)``), which a new run's pages
-would replay instead of running. The act is recorded on the key as ``forgotten``, with who,
-why and what was forgotten, beside the records of the runs.
+The success shown, and asked about, is the one forgotten (by its lease's token): a success
+kept since by another run is left alone.
 """
 
 from __future__ import annotations
@@ -17,19 +14,18 @@ from typing import Any, NoReturn
 
 import click
 
-from celery_dlock.backends.base import LockBackend
 from celery_dlock.cli.commands import JSON, confirmed, operator
 from celery_dlock.cli.env import Env, guarded
 from celery_dlock.cli.render import human_duration, local_time, record_json
-from celery_dlock.keys import replacement_name, validate_key
-from celery_dlock.records import Holder, Lease, Outcome, Record, new_token
+from celery_dlock.forgetting import forget as forget_kept
+from celery_dlock.forgetting import kept_steps
+from celery_dlock.keys import validate_key
+from celery_dlock.records import Record
 
 __all__ = ["forget"]
 
 #: Characters of the kept result shown before the question (``--json`` has all of it).
 RESULT_SHOWN = 200
-#: Replacements looked up, one nesting deeper each (a duplicate reads as many).
-STEPS = 64
 
 
 @click.command()
@@ -60,41 +56,27 @@ def forget(env: Env, key: str, *, task_name: str, force: bool, reason: str, as_j
     if kept is None:
         text = f"no success of {task_name} is kept on {key!r}{_hint(env, key, task_name)}"
         _finish(env, as_json, key, "not_kept", text)
-    steps = _steps(backend, key, task_name)
+    steps = kept_steps(backend, key, task_name)
     env.echo(f"success kept on {key} for {task_name}:\n{_lines(kept)}", err=as_json)
     if steps:
         env.echo(f"  and the successes of its replacements: {', '.join(steps)}", err=as_json)
     question = "Forget it, so that the next run runs its body again?"
     if not force and not confirmed(env, question, err=as_json):
         _finish(env, as_json, key, "declined", "not forgotten", kept=kept)
-    if not backend.forget_success(key, task_name, kept.lease.token):
+    by = f"{operator()} with celery-dlock forget"
+    record = forget_kept(backend, key, task_name, reason=reason, by=by, token=kept.lease.token)
+    if record is None:
         text = (
             f"not forgotten: the success of {task_name} on {key} changed meanwhile (forgotten "
             "by someone else, or kept by another run); nothing was touched"
         )
         _finish(env, as_json, key, "changed", text, kept=kept)
-    gone = [name for name, step in steps.items() if backend.forget_success(key, name, step)]
-    record = _record(kept, task_name, gone, reason)
-    backend.add_record(record)
-    also = f" and of {len(gone)} replacement{'s' * (len(gone) != 1)}" if gone else ""
+    also = f" and of {len(steps)} replacement{'s' * (len(steps) != 1)}" if steps else ""
     text = (
         f"forgot the success of {task_name}{also} on {key} (fence {kept.fence}); recorded as "
         f"forgotten: {reason}"
     )
     _finish(env, as_json, key, "forgotten", text, kept=kept, record=record)
-
-
-def _steps(backend: LockBackend, key: str, task_name: str) -> dict[str, str]:
-    """The successes kept by ``task_name``'s replacements on ``key``, by name: the token of
-    the lease that kept each, one nesting deeper each, up to the first not kept."""
-    steps: dict[str, str] = {}
-    for nesting in range(1, STEPS + 1):
-        name = replacement_name(task_name, nesting)
-        step = backend.last_success(key, name)
-        if step is None:
-            break
-        steps[name] = step.lease.token
-    return steps
 
 
 def _hint(env: Env, key: str, task_name: str) -> str:
@@ -121,20 +103,6 @@ def _lines(kept: Record) -> str:
         ["result", result],
     ]
     return "\n".join(f"  {name:<9}{value}" for name, value in rows)
-
-
-def _record(kept: Record, task_name: str, steps: list[str], reason: str) -> Record:
-    """The record of the forgetting: a lease of its own (fence 0, a new token) held by this
-    process, with what was forgotten, by whom and why in its details."""
-    now = time.time()
-    lease = Lease(kept.key, new_token(), 0, Holder.current(), now)
-    also = f" and those of {', '.join(steps)}" if steps else ""
-    details = (
-        f"the success of {task_name} kept by fence {kept.fence} (task id "
-        f"{kept.lease.holder.task_id}, released {local_time(kept.released_at)}){also} "
-        f"forgotten by {operator()} with celery-dlock forget: {reason}"
-    )
-    return Record(lease, now, Outcome.FORGOTTEN, "forgotten", details)
 
 
 def _finish(

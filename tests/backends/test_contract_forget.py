@@ -1,12 +1,13 @@
 """The contract of ``forget_success``, an operator's undoing of what ``once`` keeps: only the
 success kept by the lease named (by token) goes, the next success is kept anew, the key's
-other tasks and a lease held on the key meanwhile are left whole, for every store."""
+other tasks and a lease held on the key meanwhile are left whole, for every store; and
+``celery_dlock.forget`` over it."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from celery_dlock import Outcome
+from celery_dlock import Outcome, forget
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.records import Lease, Record
 from tests.backends.test_contract import holder
@@ -98,3 +99,35 @@ def test_forget_of_a_key_that_never_kept_a_success_is_false(backend: LockBackend
     assert backend.release(lease, Outcome.FAILED) is not None
     assert backend.forget_success(KEY, TASK, lease.token) is False
     assert backend.forget_success("job:never", TASK, lease.token) is False
+
+
+def test_forget_forgets_the_task_and_its_replacements_and_records_it(
+    backend: LockBackend,
+) -> None:
+    """``celery_dlock.forget``, what an app's refund code and ``celery-dlock forget`` call:
+    the task's success and those of its replacements go (``NAME (replacement N)``, up to
+    the first not kept), the act is one ``forgotten`` record on the key, and another
+    task's success stays."""
+    charge = succeed(backend, {"value": None, "replaced": {"nesting": 1}})
+    page = succeed(backend, {"value": {"pages": 2}}, task=f"{TASK} (replacement 1)")
+    after_gap = succeed(backend, {"value": 3}, task=f"{TASK} (replacement 3)")
+    other = succeed(backend, {"value": "sent"}, task="tasks.receipt")
+
+    assert forget(backend, KEY, TASK, token="not-the-one-kept") is None
+    assert kept_token(backend) == charge.lease.token
+    record = forget(backend, KEY, TASK, reason="refund 881", by="ops@shop")
+    assert record is not None and record.outcome == Outcome.FORGOTTEN
+    assert (record.fence, record.problem) == (0, "forgotten")
+    assert record.details is not None
+    assert f"kept by fence {charge.fence}" in record.details
+    assert f"and those of {TASK} (replacement 1) forgotten by ops@shop" in record.details
+    assert record.details.endswith(": refund 881")
+    assert backend.last_success(KEY, TASK) is None
+    assert backend.last_success(KEY, f"{TASK} (replacement 1)") is None
+    assert kept_token(backend, f"{TASK} (replacement 3)") == after_gap.lease.token
+    assert kept_token(backend, "tasks.receipt") == other.lease.token
+    assert page.lease.token != after_gap.lease.token
+    newest = backend.history(key=KEY, limit=1)[0]
+    assert (newest.outcome, newest.lease.token) == (Outcome.FORGOTTEN, record.lease.token)
+    assert forget(backend, KEY, TASK) is None  # nothing kept now: nothing written
+    assert backend.history(key=KEY, limit=1)[0].lease.token == record.lease.token
