@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from enum import Enum
@@ -47,6 +48,8 @@ logger = logging.getLogger("celery_dlock")
 
 #: Longest sleep between two attempts while waiting, whatever the backend's push does.
 POLL = 1.0
+#: Held while a Lock takes the lease it was granted: one Lock object holds one lease.
+_HOLDING = threading.Lock()
 
 
 class _Default(Enum):
@@ -259,8 +262,13 @@ class Lock:
         return LockTimeoutError(self.key, waited, holder)
 
     def _held(self, lease: Lease) -> None:
+        with _HOLDING:  # two threads' acquires of one Lock: the second gives its lease back
+            taken, self._lease = self._lease, self._lease or lease
+        if taken is not None:
+            self.backend.release(lease, Outcome.SKIPPED, "held", "its Lock was held meanwhile")
+            message = "was taken by another thread: give each thread its own Lock"
+            raise ConfigurationError(f"lock {self.key!r} {message}")
         held().add(self.backend, lease)
-        self._lease = lease
         self._session_ended = False
         if self.renew_in_background and self.ttl is not None:
             self._renewer = Renewer(self.backend, lease, self.ttl, self.on_lost).start()

@@ -6,7 +6,11 @@ due, from one thread per process that keeps the first renewals of every lease: a
 released sooner (most task runs) costs no thread of its own. A renewal that returns None means
 the lease is gone: the renewer marks it lost and calls ``on_lost`` once. A renewal that
 raises (store unreachable) is retried until the lease would have expired by our own
-monotonic clock; then the lease is treated as lost too, since someone else may hold it.
+monotonic clock; then the lease is treated as lost too, since someone else may hold it. So is
+a renewal that has not answered by then (:class:`_Overdue`): a store cut off by a partition
+that drops packets keeps the call waiting for its socket timeout, past the expiry. The
+expiry is counted from when the last renewal that answered was sent, never later than the
+store counts it.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ class Renewer:
         self._stopping: threading.Event | None = None
         #: In the first renewals' heap and not stopped (guarded by that heap's lock).
         self._queued = False
+        #: The expiry (monotonic) of the lease while a renewal is in flight, else None: the
+        #: call or :data:`_overdue`, whichever comes first, takes it (guarded by _mutex).
+        self._in_flight: float | None = None
 
     def start(self) -> Renewer:
         """Renew from one ``interval`` on: the thread starts then, if still held."""
@@ -99,8 +106,11 @@ class Renewer:
         wait = 0.0  # the first renewal is due now
         while not stopping.wait(wait):
             wait = self.interval
+            sent = time.monotonic()
             try:
-                lease = self.backend.renew(self.lease, self.ttl)
+                lease = self._renew(renewed_at + self.ttl)
+            except _Late:
+                return  # reported lost when it expired, by _overdue
             except DLockError as exc:
                 if time.monotonic() - renewed_at < self.ttl:
                     extra = fields("renew_failed", self.lease, backend=self.backend.url)
@@ -122,11 +132,87 @@ class Renewer:
                 self._lose()
                 return
             self.lease = lease
-            renewed_at = time.monotonic()
+            renewed_at = sent
+
+    def _renew(self, expiry: float) -> Lease | None:
+        """The store's renewal of the lease, which expires at ``expiry`` by our clock.
+
+        Raises:
+            _Late: the answer came after the expiry, when the lease was reported lost.
+        """
+        with self._mutex:
+            self._in_flight = expiry
+        _overdue.arm(self, expiry)
+        try:
+            return self.backend.renew(self.lease, self.ttl)
+        finally:
+            with self._mutex:
+                late, self._in_flight = self._in_flight is None, None
+            if late:
+                raise _Late  # its answer (or failure) no longer counts: the lease was lost
+
+    def _expired(self, expiry: float) -> None:
+        """From :data:`_overdue`: the lease reached ``expiry`` with a renewal in flight."""
+        with self._mutex:
+            if self._in_flight != expiry or self._stopped:
+                return  # it answered in time, or the lease is being released
+            self._in_flight = None
+        extra = fields("renew_expired", self.lease, backend=self.backend.url)
+        logger.error(
+            "lease on %s expired while its renewal went unanswered", self.lease.key, extra=extra
+        )
+        self._lose()
 
     def _lose(self) -> None:
         self.lost = True
         report_lost(self.lease, self.on_lost, backend=self.backend.url)
+
+
+class _Late(Exception):
+    """A renewal answered after its lease's expiry by our clock (already reported lost)."""
+
+
+class _Overdue:
+    """Renewals in flight, by when their lease expires: one thread per process that reports
+    a lease lost at its expiry if its renewal has not answered by then. An entry whose
+    renewal answered is dropped when its time comes."""
+
+    def __init__(self) -> None:
+        self._order = itertools.count()
+        self.forget()
+
+    def forget(self) -> None:
+        """Nothing in flight, and no thread yet: the one started by the next :meth:`arm`
+        (in a forked child, the parent's lock may have been held at the fork)."""
+        self._due: list[tuple[float, int, Renewer]] = []
+        self._changed = threading.Condition()
+        self._pid = 0
+
+    def arm(self, renewer: Renewer, expiry: float) -> None:
+        with self._changed:
+            if self._pid != os.getpid():
+                self._pid = os.getpid()
+                threading.Thread(target=self._run, name="dlock-overdue", daemon=True).start()
+            heapq.heappush(self._due, (expiry, next(self._order), renewer))
+            if self._due[0][2] is renewer:
+                self._changed.notify()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while True:
+            with self._changed:
+                if self._pid != pid:
+                    return
+                now = time.monotonic()
+                if not self._due or self._due[0][0] > now:
+                    self._changed.wait(self._due[0][0] - now if self._due else None)
+                    continue
+                expiry, _, renewer = heapq.heappop(self._due)
+            renewer._expired(expiry)  # outside the heap's lock: it calls on_lost
+
+
+_overdue = _Overdue()
+os.register_at_fork(after_in_child=_overdue.forget)
 
 
 class _FirstRenewals:
