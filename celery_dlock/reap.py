@@ -16,12 +16,13 @@ and its beat entry are in :mod:`celery_dlock.celery.janitor`.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend
-from celery_dlock.errors import LockNotAcquiredError
+from celery_dlock.errors import ConfigurationError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
 from celery_dlock.records import Outcome, Record
@@ -50,23 +51,34 @@ def reap(
     max_batches: int = 10,
     cleared: Callable[[Record], object] | None = None,
     quiet_for: float | None = None,
+    limit: int | None = None,
 ) -> dict[str, int]:
-    """Reap dead leases (at most ``batch × max_batches``) and prune history older than
-    ``retention`` seconds, under the janitor's own lock; ``cleared`` is called with the
-    record of each lease cleared (each is logged too, as a warning).
+    """Reap dead leases (at most ``limit``, by default ``batch × max_batches``) and prune
+    history older than ``retention`` seconds (None: keep it; 0: all of it; a negative one
+    is a cut-off in the future), under the janitor's own lock; ``cleared`` is called with
+    the record of each lease cleared (each is logged too, as a warning).
 
     ``quiet_for`` (seconds; None: every run is recorded): a run whose first batch, cleared
     without the lock, cleared nothing ends there, unrecorded and without pruning, when a
-    run of the janitor was recorded less than ``quiet_for`` seconds ago.
+    run of the janitor succeeded less than ``quiet_for`` seconds ago (a failed run does not
+    count: the next one tries again).
 
     Returns:
         counts: ``reaped``, ``disconnected``, ``expired``, ``pruned``, ``skipped`` (1 when
         another janitor was running and this one did no more than its first batch), and
         ``quiet`` (1 for a run that found nothing to do and was not recorded).
+
+    Raises:
+        ConfigurationError: ``retention`` is not finite seconds, or ``batch``,
+            ``max_batches`` or ``limit`` is not a whole number >= 1.
     """
+    _check(retention, batch, max_batches, limit)
     counts = {"reaped": 0, "disconnected": 0, "expired": 0, "pruned": 0, "skipped": 0, "quiet": 0}
+    left = batch * max_batches if limit is None else limit
 
     def clear(records: list[Record]) -> None:
+        nonlocal left
+        left -= len(records)
         for record in records:
             _count(counts, record, backend.url)
             if cleared is not None:
@@ -76,7 +88,7 @@ def reap(
     batches = max_batches
     first: list[Record] | None = None
     if quiet_for is not None:
-        first = backend.reap(limit=batch)
+        first = backend.reap(limit=min(batch, left))
         clear(first)
         if not first and _recorded_within(backend, key, quiet_for):
             counts["quiet"] = 1
@@ -91,17 +103,41 @@ def reap(
     try:
         more = first is None or len(first) == batch
         for _ in range(batches if more else 0):
-            records = backend.reap(limit=batch)
-            clear(records)
-            if len(records) < batch:
+            if left <= 0:
                 break
-        if retention is not None:
-            counts["pruned"] = backend.prune_history(time.time() - retention)
+            asked = min(batch, left)
+            records = backend.reap(limit=asked)
+            clear(records)
+            if len(records) < asked:
+                break
+        before = None if retention is None else time.time() - retention
+        # Nothing was released before 1970: a retention reaching further back prunes
+        # nothing (the object stores' names and Postgres's timestamps cannot say it).
+        if before is not None and before > 0:
+            counts["pruned"] = backend.prune_history(before)
     except BaseException as exc:
         guard.release(Outcome.FAILED, type(exc).__name__, str(exc))
         raise
     guard.release(Outcome.SUCCEEDED, result=counts)
     return counts
+
+
+def _check(retention: float | None, batch: int, max_batches: int, limit: int | None) -> None:
+    """Refuse what ``reap`` cannot do as asked: a NaN retention pruned every record of the
+    file store (and failed elsewhere). A negative one is a cut-off in the future (tests use
+    it to prune the file store's day of today)."""
+    if retention is not None and (
+        isinstance(retention, bool)
+        or not isinstance(retention, (int, float))
+        or not math.isfinite(retention)
+    ):
+        raise ConfigurationError(
+            f"the janitor's retention must be finite seconds or None, not {retention!r}"
+        )
+    sizes = {"batch": batch, "max_batches": max_batches}
+    for name, value in (sizes if limit is None else {**sizes, "limit": limit}).items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigurationError(f"the janitor's {name} must be an int >= 1, not {value!r}")
 
 
 def _count(counts: dict[str, int], record: Record, url: str) -> None:
@@ -123,7 +159,9 @@ def _count(counts: dict[str, int], record: Record, url: str) -> None:
 
 
 def _recorded_within(backend: LockBackend, key: str, seconds: float) -> bool:
-    """True when the newest record of the janitor's ``key`` was released less than
-    ``seconds`` ago."""
-    newest = backend.history(key=key, limit=1)
-    return bool(newest) and time.time() - newest[0].released_at < seconds
+    """True when a run of the janitor (its ``key``) succeeded less than ``seconds`` ago.
+
+    Only a success counts: after a failed run (its prune refused, its lock lost) the next
+    run does its work again and records it, rather than staying quiet for ``seconds``."""
+    since = time.time() - seconds
+    return bool(backend.history(key=key, outcome=Outcome.SUCCEEDED, since=since, limit=1))

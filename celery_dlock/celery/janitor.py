@@ -1,6 +1,13 @@
 """The janitor as a Celery task on the beat schedule: ``register(app)`` adds the
 ``celery_dlock.janitor`` task, which runs :func:`celery_dlock.reap.reap` with the app's
-settings, and its beat entry every ``dlock_janitor_interval`` seconds."""
+settings, and its beat entry every ``dlock_janitor_interval`` seconds.
+
+A ``celery beat`` of an app whose ``dlock_*`` settings are bad stops as it starts, with the
+``ConfigurationError`` naming the setting: an error raised in a signal handler is only
+logged, and that beat used to run on without the janitor's entry (or, with an interval past
+year 9999, log "Cannot calculate the next run" every second), so no lease was ever reaped.
+(Durations past 100 years are refused with the other settings.)
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,19 @@ from celery import Celery
 from celery import signals as celery_signals
 
 from celery_dlock.celery.settings import backend_for, forget_settings, settings
+from celery_dlock.errors import ConfigurationError
 from celery_dlock.reap import JANITOR_QUIET, JANITOR_TASK, reap
 
 __all__ = ["register"]
+
+
+def _interval(app: Celery) -> float:
+    """``dlock_janitor_interval`` of ``app``.
+
+    Raises:
+        ConfigurationError: a bad ``dlock_*`` setting (an interval past 100 years, say).
+    """
+    return settings(app).janitor_interval
 
 
 def register(app: Celery) -> Any:
@@ -39,7 +56,7 @@ def register(app: Celery) -> Any:
         if target is not app:
             return
         forget_settings(app)  # a (re)configuration: read the settings anew
-        interval = settings(app).janitor_interval
+        interval = _interval(app)
         app.add_periodic_task(interval, janitor.s(), name=JANITOR_TASK)
 
     # on_after_configure fires once per (re)configuration; an app already configured gets the
@@ -49,12 +66,16 @@ def register(app: Celery) -> Any:
         add_entry(app)
 
     def ensure_entry(sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not app:
+            return
+        try:
+            interval = _interval(app)
+        except ConfigurationError as exc:
+            # Signal.send logs an Exception and goes on; SystemExit stops this beat.
+            raise SystemExit(f"celery beat: {exc}") from exc
         # A beat_schedule dict assigned after install replaces ours: put it back.
         scheduler = getattr(sender, "scheduler", None)
-        if scheduler is None or getattr(sender, "app", None) is not app:
-            return
-        if JANITOR_TASK not in scheduler.schedule:
-            interval = settings(app).janitor_interval
+        if scheduler is not None and JANITOR_TASK not in scheduler.schedule:
             scheduler.update_from_dict({JANITOR_TASK: {"task": JANITOR_TASK, "schedule": interval}})
 
     celery_signals.beat_init.connect(ensure_entry, weak=False)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -205,12 +204,19 @@ def _spelt_either_way(conf: Any) -> Any:
     return given
 
 
+#: The longest duration a setting takes (100 years): beat adds the janitor's interval to
+#: each run's time, and ``1e12`` s passed year 9999, where Python's datetime ends; a
+#: retention that long reached back before 1970.
+LONGEST = 100 * 365.25 * 86400
+
+
 def _seconds(value: Any, name: str) -> float:
     # NaN and infinity are refused too: a NaN retention made every janitor run fail on Redis
     # (and prune nothing elsewhere), an infinite interval stopped beat at its start.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= LONGEST:
         raise ConfigurationError(
-            f"{name} must be a positive, finite number of seconds, not {value!r}"
+            f"{name} must be a positive number of seconds, at most {LONGEST:.0f} (100 "
+            f"years), not {value!r}"
         )
     return float(value)
 

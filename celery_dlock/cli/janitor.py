@@ -57,6 +57,7 @@ def reap(env: Env, limit: int, retention: float | None, as_json: bool) -> None:
             batch=batch,
             max_batches=math.ceil(limit / batch),
             cleared=cleared.append,
+            limit=limit,
         )
     if as_json:
         found = {"backend": env.url, "retention": retention, **counts}

@@ -280,7 +280,11 @@ def forget(backend: ObjectStoreBackend, key: str, task_name: str, token: str) ->
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:
     """Delete history objects released before ``before`` (listed from that point on, as
-    names sort newest first) and superseded ``success/`` objects; returns the records."""
+    names sort newest first) and superseded ``success/`` objects; returns the records.
+    Nothing was released before 1970: such a ``before`` (whose name would sort before every
+    history name) prunes nothing."""
+    if before <= 0:
+        return 0
     store = backend.store()
     layout = backend.layout
     pruned = 0

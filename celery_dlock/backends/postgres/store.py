@@ -346,6 +346,8 @@ class PostgresStore(LockBackend):
         return [rows.record(row) for row in found]
 
     def prune_history(self, before: float) -> int:
+        if before <= 0:  # nothing was released before 1970 (and year 1 is a timestamp's end)
+            return 0
         params = {"before": rows.timestamp(before), "batch": Int8(_PRUNE_BATCH)}
         pruned = 0
         while True:
