@@ -379,15 +379,14 @@ class Lock:
         For a lease that outlives this object: a Celery task keeps its lease for its retry,
         which takes it over with ``acquire(replace=lease.token)``.
         """
-        lease = self._require_lease()
-        if self._renewer is not None:
-            self._renewer.stop()
-            lease = self._renewer.lease
-            self._renewer = None
-        if self._unwatch is not None:
-            self._unwatch()
-            self._unwatch = None
-        self._lease = None
+        with _HOLDING:  # two threads' releases of one Lock: the second is told it is not held
+            lease, renewer, unwatch = self._require_lease(), self._renewer, self._unwatch
+            self._lease, self._renewer, self._unwatch = None, None, None
+        if renewer is not None:
+            renewer.stop()
+            lease = renewer.lease
+        if unwatch is not None:
+            unwatch()
         held().discard(lease.token)
         return lease
 

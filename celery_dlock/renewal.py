@@ -15,6 +15,7 @@ store counts it.
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import logging
@@ -33,6 +34,9 @@ from celery_dlock.records import Lease, Outcome
 __all__ = ["Renewer", "report_lost"]
 
 logger = logging.getLogger("celery_dlock.renewal")
+
+#: Longest pause before another try to start a lease's renewal thread that failed to start.
+START_RETRY = 0.1
 
 
 class Renewer:
@@ -65,44 +69,72 @@ class Renewer:
         #: The thread and its sleep, made when the first renewal is due (guarded by _mutex).
         self._thread: threading.Thread | None = None
         self._stopping: threading.Event | None = None
+        #: The thread reporting the loss found by :data:`_overdue` (guarded by _mutex).
+        self._reporting: threading.Thread | None = None
         #: In the first renewals' heap and not stopped (guarded by that heap's lock).
         self._queued = False
+        #: When :meth:`start` was called (monotonic): just after the grant.
+        self._granted = 0.0
         #: The expiry (monotonic) of the lease while a renewal is in flight, else None: the
         #: call or :data:`_overdue`, whichever comes first, takes it (guarded by _mutex).
         self._in_flight: float | None = None
 
     def start(self) -> Renewer:
         """Renew from one ``interval`` on: the thread starts then, if still held."""
-        _first_renewals.add(self, time.monotonic() + self.interval)
+        self._granted = time.monotonic()
+        _first_renewals.add(self, self._granted + self.interval)
         return self
 
     def _begin(self) -> None:
-        """The first renewal is due: start the thread, unless stopped meanwhile."""
+        """The first renewal is due: start the thread, unless stopped meanwhile.
+
+        Raises:
+            RuntimeError: the thread could not be started (out of memory or of threads).
+        """
         with self._mutex:
             if self._stopped:
                 return
-            self._stopping = threading.Event()
-            self._thread = threading.Thread(
+            stopping = threading.Event()
+            thread = threading.Thread(
                 target=self._run,
-                args=(self._stopping,),
+                args=(stopping,),
                 name=f"dlock-renew:{self.lease.key}",
                 daemon=True,
             )
-            self._thread.start()
+            thread.start()  # kept only once started: ``stop`` joins it
+            self._thread, self._stopping = thread, stopping
+
+    def _unrenewed(self) -> None:
+        """No thread could be started to renew the lease before it expired."""
+        with self._mutex:
+            if self._stopped:
+                return
+        extra = fields("renew_expired", self.lease, backend=self.backend.url)
+        logger.error(
+            "lease on %s expired: no thread could be started to renew it",
+            self.lease.key,
+            extra=extra,
+        )
+        self._lose()
 
     def stop(self) -> None:
-        """Stop renewing and wait for a renewal under way, so none races the release."""
+        """Stop renewing and wait for a renewal under way, so none races the release, and
+        for a report of the lease's loss under way, so ``on_lost`` is not called after."""
         with self._mutex:
             self._stopped = True
-            thread, stopping = self._thread, self._stopping
+            threads = (self._thread, self._reporting)  # the renewals', a loss's report
+            stopping = self._stopping
         _first_renewals.discard(self)
         if stopping is not None:
             stopping.set()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        for thread in threads:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join()
 
     def _run(self, stopping: threading.Event) -> None:
-        renewed_at = time.monotonic() - self.interval  # the grant, one interval ago
+        # The grant (``start``), not one interval before this thread began: the process may
+        # have been paused in between, and a lease's life is counted from its grant.
+        renewed_at = self._granted
         wait = 0.0  # the first renewal is due now
         while not stopping.wait(wait):
             wait = self.interval
@@ -129,7 +161,8 @@ class Renewer:
             if stopping.is_set():
                 return
             if lease is None:
-                self._lose()
+                if not _exiting:  # else released by the process's exit: no loss
+                    self._lose()
                 return
             self.lease = lease
             renewed_at = sent
@@ -152,11 +185,31 @@ class Renewer:
                 raise _Late  # its answer (or failure) no longer counts: the lease was lost
 
     def _expired(self, expiry: float) -> None:
-        """From :data:`_overdue`: the lease reached ``expiry`` with a renewal in flight."""
+        """From :data:`_overdue`: the lease reached ``expiry`` with a renewal in flight.
+
+        It is reported from a thread of its own: ``on_lost`` may block (a release waits for
+        the renewal in flight, up to the socket timeout), and the other leases cut off with
+        it must be reported at their own expiry. :meth:`stop` waits for that thread, so
+        that ``on_lost`` is never called after the release.
+        """
         with self._mutex:
             if self._in_flight != expiry or self._stopped:
                 return  # it answered in time, or the lease is being released
             self._in_flight = None
+            self.lost = True  # at once: a release from now on knows it is reported
+            reporting = threading.Thread(
+                target=self._report_overdue, name=f"dlock-lost:{self.lease.key}", daemon=True
+            )
+            try:
+                reporting.start()
+            except RuntimeError:  # out of threads: this one reports it
+                inline = True
+            else:
+                inline, self._reporting = False, reporting
+        if inline:
+            self._report_overdue()
+
+    def _report_overdue(self) -> None:
         extra = fields("renew_expired", self.lease, backend=self.backend.url)
         logger.error(
             "lease on %s expired while its renewal went unanswered", self.lease.key, extra=extra
@@ -173,9 +226,10 @@ class _Late(Exception):
 
 
 class _Overdue:
-    """Renewals in flight, by when their lease expires: one thread per process that reports
-    a lease lost at its expiry if its renewal has not answered by then. An entry whose
-    renewal answered is dropped when its time comes."""
+    """Renewals in flight, by when their lease expires: one thread per process that finds
+    a lease lost at its expiry if its renewal has not answered by then, and has it reported
+    from a thread of its own. An entry whose renewal answered is dropped when its time
+    comes."""
 
     def __init__(self) -> None:
         self._order = itertools.count()
@@ -208,7 +262,7 @@ class _Overdue:
                     self._changed.wait(self._due[0][0] - now if self._due else None)
                     continue
                 expiry, _, renewer = heapq.heappop(self._due)
-            renewer._expired(expiry)  # outside the heap's lock: it calls on_lost
+            renewer._expired(expiry)  # outside the heap's lock: it may call on_lost
 
 
 _overdue = _Overdue()
@@ -249,6 +303,9 @@ class _FirstRenewals:
                 threading.Thread(
                     target=self._run, name="celery_dlock first renewals", daemon=True
                 ).start()
+                # Registered now, after the exit handler that releases the leases still
+                # held (``process``), so that it runs before it.
+                atexit.register(_exit)
             renewer._queued = True
             heapq.heappush(self._due, (at, next(self._order), renewer))
             self._idle = min(self._idle, max(renewer.interval, 0.01))
@@ -270,19 +327,46 @@ class _FirstRenewals:
 
     def _run(self) -> None:
         pid = os.getpid()
-        with self._changed:
-            while self._pid == pid:
-                now = time.monotonic()
-                self._wakes = self._due[0][0] if self._due else now + self._idle
-                if self._wakes > now:
-                    self._changed.wait(None if math.isinf(self._wakes) else self._wakes - now)
-                    continue
-                _, _, renewer = heapq.heappop(self._due)
-                if renewer._queued:
+        while True:
+            with self._changed:
+                unrenewed = self._start_due(pid)
+            if unrenewed is None:
+                return
+            unrenewed._unrenewed()  # outside the heap's lock: it calls on_lost
+
+    def _start_due(self, pid: int) -> Renewer | None:
+        """Start the thread of each renewer when its first renewal is due, until this
+        process is a forked child (None), or a lease expired before a thread could be
+        started for it (its renewer). A thread that cannot be started (out of memory or of
+        threads) is tried again shortly: this thread must live on, for the other leases."""
+        while self._pid == pid:
+            now = time.monotonic()
+            self._wakes = self._due[0][0] if self._due else now + self._idle
+            if self._wakes > now:
+                self._changed.wait(None if math.isinf(self._wakes) else self._wakes - now)
+                continue
+            _, _, renewer = heapq.heappop(self._due)
+            if not renewer._queued:
+                self._stopped -= 1
+                continue
+            try:
+                renewer._begin()
+            except RuntimeError as exc:
+                if now >= renewer._granted + renewer.ttl:
                     renewer._queued = False
-                    renewer._begin()
-                else:
-                    self._stopped -= 1
+                    return renewer
+                extra = fields("renew_failed", renewer.lease, backend=renewer.backend.url)
+                logger.warning(
+                    "cannot start the renewal of %s, will retry: %s",
+                    renewer.lease.key,
+                    exc,
+                    extra=extra,
+                )
+                again = now + min(renewer.interval, START_RETRY)
+                heapq.heappush(self._due, (again, next(self._order), renewer))
+                continue
+            renewer._queued = False
+        return None
 
     def forget(self) -> None:
         """In a forked child: the parent's thread and leases are not ours (its lock may
@@ -290,6 +374,17 @@ class _FirstRenewals:
         for _, _, renewer in self._due:
             renewer._queued = False
         self._empty()
+
+
+#: Set as the process ends normally, before its exit handler releases the leases still
+#: held, as abandoned: a renewal that then finds its lease gone found that release (the
+#: renewal threads run on until the interpreter stops them), not a loss to report.
+_exiting = False
+
+
+def _exit() -> None:
+    global _exiting
+    _exiting = True
 
 
 _first_renewals = _FirstRenewals()
