@@ -434,7 +434,9 @@ def _connections(conn: psycopg.Connection[Any], config: Config, liveness: str) -
         "SELECT current_setting('max_connections')::int, "
         "current_setting('superuser_reserved_connections')::int "
         "+ coalesce(current_setting('reserved_connections', true)::int, 0), "
-        "count(*) FILTER (WHERE a.backend_type = 'client backend'), "
+        # A role without pg_read_all_stats sees no backend_type of other roles' sessions;
+        # every role sees pg_stat_database.
+        "(SELECT sum(d.numbackends)::int FROM pg_catalog.pg_stat_database AS d), "
         "count(*) FILTER (WHERE a.application_name = 'celery_dlock lock'), "
         "count(*) FILTER (WHERE a.application_name = 'celery_dlock waiter'), "
         f"(SELECT count(*) FROM ({held}) AS h) FROM pg_catalog.pg_stat_activity AS a",

@@ -46,7 +46,12 @@ def _function(name: str, arguments: str, returns: str, body: str) -> str:
 
 def functions(statements: Statements) -> list[str]:
     """The ``CREATE OR REPLACE FUNCTION`` statements of ``acquire``, ``release`` and
-    ``lease`` in the store's schema (names with its table prefix)."""
+    ``lease`` in the store's schema (names with its table prefix).
+
+    Always those of session liveness, whatever ``statements``' own: an SQL client's lease
+    lives as long as its session, and a ``migrate()`` through a pooler (``liveness=ttl``)
+    made functions whose leases named no session and, without a ttl, never ended."""
+    statements = Statements(statements.names)
     n, keys = statements.names, statements.keys
     # plpgsql runs a SELECT whose result it drops as PERFORM.
     guard = "\n".join(

@@ -19,6 +19,7 @@ from celery_dlock.backends.base import Place
 from celery_dlock.backends.postgres.config import translate
 from celery_dlock.backends.postgres.session import Client, Queued
 from celery_dlock.backends.postgres.statements import Statements
+from celery_dlock.errors import BackendError
 
 __all__ = ["ANY_SLICE", "await_any", "wait", "wait_any"]
 
@@ -42,8 +43,11 @@ def wait(
     if timeout <= 0:
         return queued
     params = {"key": key, "ms": max(1, math.ceil(timeout * 1000))}
-    conn = client.check_out() if queued is None else queued.conn
-    if conn is None:  # max_waiters are busy: poll
+    try:
+        conn = client.check_out() if queued is None else queued.conn
+    except BackendError:  # the server refuses another connection (its limit, the role's)
+        conn = None
+    if conn is None:  # max_waiters are busy, or no connection could be opened: poll
         time.sleep(min(timeout, random.uniform(0.025, 0.05)))
         return None
     waiting = queued or client.place(key, conn)

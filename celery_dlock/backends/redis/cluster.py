@@ -72,6 +72,8 @@ class ClusterConnections:
         self._seeds = list(nodes)
         self._nodes: dict[Node, Connections] = {}
         self._slots: list[Node] = []
+        #: Every primary of every map read, kept when the map is cleared.
+        self._known: dict[Node, None] = {}
         self.doubtful: list[tuple[str, str]] = []
 
     def _node(self, node: Node) -> Connections:
@@ -83,9 +85,11 @@ class ClusterConnections:
         return found
 
     def refresh(self) -> None:
-        """Read the map of slots to primaries from the first node that answers."""
+        """Read the map of slots to primaries from the first node that answers: of the
+        current map, the URL's, then every node this process has known (the URL may name
+        only a node that died, whose replica took its slots)."""
         failure: Exception | None = None
-        for node in [*dict.fromkeys([*self._slots, *self._seeds])]:
+        for node in [*dict.fromkeys([*self._slots, *self._seeds, *self._known, *self._nodes])]:
             try:
                 ranges = self._node(node).call("CLUSTER", "SLOTS")
             except (RedisConnectionError, RedisTimeoutError) as exc:
@@ -96,6 +100,7 @@ class ClusterConnections:
                 host = primary[0].decode() or node[0]
                 slots[first : last + 1] = [(host, int(primary[1]))] * (last - first + 1)
             self._slots = slots
+            self._known.update(dict.fromkeys(slots))
             return
         raise failure or RedisConnectionError("no node of the cluster answered")
 
