@@ -45,6 +45,10 @@ class Segment:
         data = record_line(record, lease_json)
         try:
             with self.mutex:
+                if self.day == day and os.fstat(self.fd).st_nlink == 0:
+                    # Deleted while open (a prune whose cut-off passed today, an operator):
+                    # what this process wrote on would be seen by no reader.
+                    self._close()
                 if self.day != day:
                     self._close()
                     name = time.strftime("%Y-%m-%d.jsonl", time.gmtime(day * DAY))
