@@ -400,11 +400,13 @@ def test_a_waiter_refused_a_waiter_connection_polls_instead_of_failing(
         held.acquire()
         letting_go = threading.Timer(0.3, held.release)
         letting_go.start()
+        waiter = Lock(waiter_store, "job:scale:crowded", wait=30)
         try:
-            lease = Lock(waiter_store, "job:scale:crowded", wait=30).acquire()
+            lease = waiter.acquire()
         finally:
             letting_go.join(10)
         assert lease.key == "job:scale:crowded"
+        assert waiter.release() is not None  # a Lock dropped while held warns when collected
     finally:
         holder_store.close()
         waiter_store.close()
