@@ -24,6 +24,7 @@ import celery_dlock
 from celery_dlock import ConfigurationError, Lock, LockedTask, Outcome, install
 from celery_dlock.aio import AsyncLock
 from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.file import FileBackend
 from celery_dlock.errors import LockKeyError, LockNotAcquiredError
 from celery_dlock.keys import MAX_KEY_BYTES
 from tests.backends.conftest import STORES
@@ -150,6 +151,9 @@ def test_a_waiter_is_not_starved_by_holders_that_take_their_slots_straight_back(
     """Two processes hold both slots of ``limit=2`` and take a slot straight back after each
     release, 60 rounds each; a third caller waiting (``wait=None``) gets a slot while they
     still churn, not only once they are done (the count of rounds done when it got in)."""
+    if isinstance(shared.backend, FileBackend):
+        # It passed by luck on the file store, and failed in a loaded CI run (120 of 120).
+        pytest.skip("not applicable: the file store queues no waiters (README, its row)")
     client, tag = counters
     key, rounds = new_key(), 60
     start = f"{tag}:start"

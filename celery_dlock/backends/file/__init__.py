@@ -420,8 +420,13 @@ class FileBackend(LockBackend):
             if not waits:
                 time.sleep(timeout)
                 return
+            # poll, not select: select refuses a descriptor past 1023, which a busy worker
+            # (its connections, its open files) reaches ("filedescriptor out of range").
+            poller = select.poll()
+            for fd in waits:
+                poller.register(fd, select.POLLIN)
             with contextlib.suppress(InterruptedError):
-                select.select(waits, [], [], timeout)
+                poller.poll(math.ceil(timeout * 1000))
         finally:
             for fd in waits:
                 os.close(fd)
