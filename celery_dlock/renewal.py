@@ -109,13 +109,7 @@ class Renewer:
         with self._mutex:
             if self._stopped:
                 return
-        extra = fields("renew_expired", self.lease, backend=self.backend.url)
-        logger.error(
-            "lease on %s expired: no thread could be started to renew it",
-            self.lease.key,
-            extra=extra,
-        )
-        self._lose()
+        self._expire(": no thread could be started to renew it")
 
     def stop(self) -> None:
         """Stop renewing and wait for a renewal under way, so none races the release, and
@@ -198,7 +192,10 @@ class Renewer:
             self._in_flight = None
             self.lost = True  # at once: a release from now on knows it is reported
             reporting = threading.Thread(
-                target=self._report_overdue, name=f"dlock-lost:{self.lease.key}", daemon=True
+                target=self._expire,
+                args=(_UNANSWERED,),
+                name=f"dlock-lost:{self.lease.key}",
+                daemon=True,
             )
             try:
                 reporting.start()
@@ -207,18 +204,20 @@ class Renewer:
             else:
                 inline, self._reporting = False, reporting
         if inline:
-            self._report_overdue()
+            self._expire(_UNANSWERED)
 
-    def _report_overdue(self) -> None:
+    def _expire(self, why: str) -> None:
+        """Log that the lease expired (``why``, after its key) and report it lost."""
         extra = fields("renew_expired", self.lease, backend=self.backend.url)
-        logger.error(
-            "lease on %s expired while its renewal went unanswered", self.lease.key, extra=extra
-        )
+        logger.error("lease on %s expired%s", self.lease.key, why, extra=extra)
         self._lose()
 
     def _lose(self) -> None:
         self.lost = True
         report_lost(self.lease, self.on_lost, backend=self.backend.url)
+
+
+_UNANSWERED = " while its renewal went unanswered"
 
 
 class _Late(Exception):

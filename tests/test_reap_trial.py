@@ -1,3 +1,4 @@
+# ruff: noqa: F811
 """A second adversarial trial of the janitor: reaping racing renewals and other janitors,
 the fields of what it records, and pruning at its boundary, on real stores (the file
 store, memory, PostgreSQL, Redis and the local S3 and GCS servers)."""
@@ -6,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,49 +15,17 @@ import pytest
 from celery_dlock import Holder, Outcome
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.file import FileBackend
-from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.reap import reap
 from celery_dlock.records import Lease, Record
-from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
 from tests.support import eventually
+
+# ``case`` is the first trial's fixture: the tests name it as a parameter (F811).
+from tests.test_janitor_trial import case, stores  # noqa: F401
 
 #: Every store, each on the real clock (``reap`` takes its retention from ``time.time``).
 ALL = ["file", "gcs", "memory", "postgres", "redis", "s3"]
 TTL = 0.4
-
-
-@pytest.fixture
-def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreCase]:
-    name = request.param
-    if name in ("file", "memory"):
-        directory = tmp_path / "locks"
-        made: list[LockBackend] = []
-
-        def second() -> LockBackend:
-            made.append(FileBackend(str(directory)))
-            return made[-1]
-
-        if name == "file":
-            backend: LockBackend = FileBackend(str(directory))
-            url: str | None = f"file://{directory}"
-        else:
-            backend, url = MemoryBackend(), None
-            second = lambda: backend  # noqa: E731 - one process, one store
-        yield StoreCase(backend=backend, url=url, clock=None, second=second)
-        for other in made:
-            other.close()
-        backend.close()
-        return
-    with STORES[name].open_store(tmp_path, request) as opened:
-        try:
-            yield opened
-        finally:
-            opened.backend.close()
-
-
-def stores(*names: str) -> Any:
-    return pytest.mark.parametrize("case", list(names), indirect=True)
 
 
 def expired_leases(backend: LockBackend, keys: list[str]) -> list[Lease]:
