@@ -295,7 +295,9 @@ def test_private_redis_restart_is_reported_lost_and_next_fence_is_higher(
         private_redis["proc"].kill()
         private_redis["proc"].wait()
         private_redis["start"]()
-        eventually(lambda: lock.lost, "the holder learns the restart lost its lease")
+        # ``lost`` is set before ``on_lost`` runs: wait for the callback itself.
+        eventually(lambda: calls, "the holder learns the restart lost its lease")
+        assert lock.lost
         assert [lease.token for lease in calls] == [first.token]
         assert lock.release() is None
         again = Lock(backend_from_url(url), "job:trial:restart", ttl=0.9, wait=10)
@@ -442,7 +444,8 @@ def test_partitioned_holder_knows_it_lost_once_another_holds_the_key(
         assert taker.fence > first.fence
         # The holder's own clock says its lease ran out a while ago: it must say so, well
         # before its blocked renewal times out (60 s).
-        eventually(lambda: lock.lost, "the partitioned holder marks its lease lost", 20)
+        eventually(lambda: calls, "the partitioned holder reports its lease lost", 20)
+        assert lock.lost
         assert [lease.token for lease in calls] == [first.token]
     finally:
         proxy.flowing.set()  # the partition heals: the renewal in flight gets its answer

@@ -176,3 +176,34 @@ def test_a_prune_a_microsecond_past_a_record_deletes_it(case: StoreCase) -> None
     assert backend.history(key="job:cut:old", limit=None) == []
     (kept,) = backend.history(key="job:cut:new", limit=None)
     assert kept.lease.token == later.lease.token
+
+
+@stores(*ALL)
+def test_two_beat_janitors_at_once_record_each_dead_lease_once(case: StoreCase) -> None:
+    """Two janitors on the beat schedule (``quiet_for``: the first batch is cleared outside
+    the janitor's lock) start together on their own clients, small batches: between them
+    and the next run every dead lease is cleared and recorded once, and a live one stays."""
+    backend, other = case.backend, case.second()
+    leases = expired_leases(backend, [f"job:twin:{n:02d}" for n in range(10)])
+    live = backend.try_acquire("job:twin:live", Holder.current(), 60.0)
+    assert live is not None
+    found: list[dict[str, int]] = []
+    cleared: list[Record] = []
+
+    def janitor(store: LockBackend) -> Any:
+        return lambda: found.append(
+            reap(store, batch=2, max_batches=10, quiet_for=3600.0, cleared=cleared.append)
+        )
+
+    run_together(janitor(backend), janitor(other))
+    janitor(backend)()  # the next run
+    keys = sorted(record.key for record in cleared)
+    left = [lease.key for lease in leases if backend.get(lease.key) is not None]
+    assert keys == sorted(lease.key for lease in leases), (found, left)
+    assert sum(counts["reaped"] for counts in found) == len(leases)
+    for lease in leases:
+        records = backend.history(key=lease.key, limit=None)
+        assert [(r.outcome, r.lease.token) for r in records] == [(Outcome.EXPIRED, lease.token)]
+        assert backend.get(lease.key) is None
+    kept = backend.get("job:twin:live")
+    assert kept is not None and kept.token == live.token

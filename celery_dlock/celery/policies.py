@@ -1,12 +1,18 @@
 """Calling a task option that is a callable (``on_locked``, ``on_duplicate``,
-``on_lock_lost``) the one way the README documents: with the task first."""
+``on_lock_lost``) the one way the README documents: with the task first; and
+``on_lock_lost="raise"``'s way into the body (:class:`Interrupter`)."""
 
 from __future__ import annotations
 
+import ctypes
 import inspect
+import threading
+from types import TracebackType
 from typing import Any
 
-__all__ = ["call_policy"]
+from celery_dlock.errors import LockLostError
+
+__all__ = ["Interrupter", "call_policy"]
 
 
 def call_policy(task: Any, name: str, *args: Any) -> Any:
@@ -17,3 +23,43 @@ def call_policy(task: Any, name: str, *args: Any) -> Any:
     if isinstance(raw, staticmethod):
         raw = raw.__func__
     return raw(task, *args)
+
+
+class Interrupter:
+    """``on_lock_lost="raise"``: a LockLostError raised in the task's thread while its body
+    runs (``with interrupter: body()``), and never once it has ended: a loss reported while
+    the task releases its lease would land inside the release (nothing recorded, the lease
+    left in the process's registry), in the tracer or in the child's next task. A loss
+    reported after the body is the task's to see (``Lock.lost``)."""
+
+    __slots__ = ("_mutex", "_thread")
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._thread: int | None = None  # the task's thread, while its body runs
+
+    def __enter__(self) -> Interrupter:
+        self._thread = threading.get_ident()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        with self._mutex:
+            if self._thread is None:  # interrupted: drop the exception if not raised yet
+                _raise_in(threading.get_ident(), None)
+            self._thread = None
+
+    def interrupt(self) -> None:
+        """Raise LockLostError in the body's thread at its next Python instruction, once;
+        nothing when the body is not running."""
+        with self._mutex:
+            if self._thread is not None:
+                _raise_in(self._thread, LockLostError)
+                self._thread = None
+
+
+def _raise_in(thread: int, kind: type[BaseException] | None) -> None:
+    """Set (``kind``) or clear (None) the exception pending for ``thread``."""
+    exception = None if kind is None else ctypes.py_object(kind)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), exception)

@@ -24,11 +24,9 @@ request), released there on every exit, recorded with the outcome. Options (task
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -43,7 +41,7 @@ from celery_dlock.celery import busy, dedupe, once, replacing, signals
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, replaced_by, replacement, stored_result
-from celery_dlock.celery.policies import call_policy
+from celery_dlock.celery.policies import Interrupter, call_policy
 from celery_dlock.celery.retries import retry_arguments
 from celery_dlock.celery.settings import enable_metrics, settings, warn_if_default_store
 from celery_dlock.errors import (
@@ -281,7 +279,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             task_name=self.name,
             metadata=self._metadata_for(args, kwargs),
         )
-        on_lost = functools.partial(self._lease_lost, task_thread=threading.get_ident())
+        interrupter = Interrupter() if self.on_lock_lost == "raise" else None
+        on_lost = functools.partial(self._lease_lost, interrupter=interrupter)
         lock: Any
         single = len(keys) == 1  # else all or none; a set has no hand-over to a retry
         if single:
@@ -321,7 +320,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         request.dlock_lock = lock
         try:
             self._started(request)
-            return self._body(lock, args, kwargs)
+            return self._body(lock, args, kwargs, interrupter)
         finally:
             request.dlock_lock = None
 
@@ -333,12 +332,16 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         if on_held is not None:
             on_held()
 
-    def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _body(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any], raising: Any) -> Any:
         previous = once.kept_success(self, lock) if self.once else None
         if previous is not None and (previous := once.step(self, lock, previous)) is not None:
             return once.replay(lock, previous, self.request)
         try:
-            result = self.run(*args, **kwargs)
+            if raising is None:
+                result = self.run(*args, **kwargs)
+            else:
+                with raising:
+                    result = self.run(*args, **kwargs)
         except Retry as exc:
             self._retrying(lock, exc)
             raise
@@ -467,14 +470,11 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
 
     # -- a lost lease ------------------------------------------------------------------------
 
-    def _lease_lost(self, lease: Lease, task_thread: int) -> None:
+    def _lease_lost(self, lease: Lease, interrupter: Interrupter | None) -> None:
         """The Lock has logged the loss (naming this task, the lease's holder); apply the
-        task's ``on_lock_lost`` policy."""
+        task's ``on_lock_lost`` policy ("raise": only while the body runs)."""
         policy = self.on_lock_lost
         if callable(policy):
             call_policy(self, "on_lock_lost", lease)
-        elif policy == "raise":
-            # Raise LockLostError in the task's thread at its next Python instruction.
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(task_thread), ctypes.py_object(LockLostError)
-            )
+        elif interrupter is not None:
+            interrupter.interrupt()
