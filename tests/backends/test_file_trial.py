@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,3 +128,28 @@ def test_a_bad_gc_after_is_refused_when_the_url_is_read(tmp_path: Path, gc_after
     nan none): it is refused, naming the option."""
     with pytest.raises(ConfigurationError, match="gc_after"):
         backend_from_url(f"file://{tmp_path}/locks?gc_after={gc_after}")
+
+
+def test_the_janitor_reaps_the_other_keys_past_a_corrupt_lock_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Before: the first corrupt file the janitor met failed the whole run, every run, and
+    # the dead leases of every other key stayed held until the file was repaired.
+    backend = FileBackend(str(tmp_path))
+    keys = [f"job:dead:{n}" for n in range(5)]
+    dead = [backend.try_acquire(key, Holder.current(), 0.05) for key in keys]
+    assert all(dead) and backend.try_acquire(KEY, Holder.current(), None) is not None
+    path = _lock_file(tmp_path, KEY)
+    spoilt = _truncated(path.read_text()).encode()
+    path.write_bytes(spoilt)
+    time.sleep(0.2)  # the dead leases' ttl runs out
+    janitor = FileBackend(str(tmp_path))  # another process's view: nothing cached
+    with caplog.at_level("ERROR", logger="celery_dlock.file"):
+        cleared = janitor.reap(limit=100)
+    assert sorted(record.key for record in cleared) == keys
+    for lease in dead:
+        assert lease is not None and janitor.get(lease.key) is None
+        assert [r.outcome for r in janitor.history(key=lease.key)] == [Outcome.EXPIRED]
+    said = [r.getMessage() for r in caplog.records if getattr(r, "event", "") == "reap_skipped"]
+    assert len(said) == 1 and str(path) in said[0] and "corrupt" in said[0]
+    assert path.read_bytes() == spoilt  # left alone

@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
-import json
 import logging
 import math
 import os
@@ -60,7 +59,7 @@ import random
 import select
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 from urllib.parse import unquote, urlsplit
 
@@ -86,7 +85,14 @@ from celery_dlock.backends.common import (
 )
 from celery_dlock.backends.file import history
 from celery_dlock.backends.file.history import DAY, Segment
-from celery_dlock.backends.file.state import PAGE, Local, Locked, raise_floor, read_floor
+from celery_dlock.backends.file.state import (
+    CorruptFile,
+    Local,
+    Locked,
+    keys_in,
+    raise_floor,
+    read_floor,
+)
 from celery_dlock.backends.file.wakeups import Inotify, watch_holder
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError, ConfigurationError
@@ -315,22 +321,9 @@ class FileBackend(LockBackend):
         with self._locked(key, fcntl.LOCK_SH) as state:
             return state.lease
 
-    def _keys(self) -> Iterator[str]:
-        """Keys of every state file (the key is read from long, hashed names)."""
-        for name in os.listdir(self._locks_dir):
-            if "~" not in name:
-                yield unquote(name)
-                continue
-            try:
-                with open(os.path.join(self._locks_dir, name), "rb") as f:
-                    key = str(json.loads(f.read(PAGE))["key"])
-            except (FileNotFoundError, ValueError, KeyError):
-                continue  # deleted by reap(), or an empty file not yet written
-            yield key
-
     def leases(self, prefix: str = "") -> list[Lease]:
         found = []
-        for key in sorted(self._keys()):
+        for key in sorted(keys_in(self._locks_dir)):
             if key.startswith(prefix):
                 lease = self.get(key)
                 if lease is not None:
@@ -363,20 +356,25 @@ class FileBackend(LockBackend):
 
     def reap(self, limit: int = 100) -> list[Record]:
         reaped: list[Record] = []
-        for key in self._keys():
+        for key in keys_in(self._locks_dir):
             if len(reaped) >= limit:
                 break
-            with self._locked(key) as state:
-                current = state.lease
-                now = self._clock()
-                if current is None:
-                    self._collect(state, now)
-                    continue
-                ended = _ended(current, now)
-                if ended is not None:
-                    self._append(ended, state.segment)
-                    state.write(state.fence, None)
-                    reaped.append(ended)
+            try:
+                with self._locked(key) as state:
+                    current = state.lease
+                    now = self._clock()
+                    if current is None:
+                        self._collect(state, now)
+                        continue
+                    ended = _ended(current, now)
+                    if ended is not None:
+                        self._append(ended, state.segment)
+                        state.write(state.fence, None)
+                        reaped.append(ended)
+            except CorruptFile as exc:  # not the other keys' janitor too: each run says so
+                logger.error(
+                    "janitor skipped %r: %s", key, exc, extra=fields("reap_skipped", key=key)
+                )
         return reaped
 
     def _collect(self, state: Locked, now: float) -> None:

@@ -20,8 +20,9 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from celery_dlock.backends.file.history import Segment, open_private
 from celery_dlock.backends.naming import file_name
@@ -38,6 +39,10 @@ _STRIPES = 64
 
 #: The last state bytes this process wrote for a key, with their parse.
 Memo = tuple[bytes, int, Lease | None, str | None, int]
+
+
+class CorruptFile(BackendError):
+    """A key's lock file that cannot be read as its state (left as it is)."""
 
 
 class Local:
@@ -215,7 +220,7 @@ class Locked:
             if self._deleted():  # a corrupt file deleted by hand: open the new one
                 return False
             path = os.path.join(self.local.locks_dir, file_name(self.key))
-            raise BackendError(
+            raise CorruptFile(
                 f"the lock file {path} of {self.key!r} is corrupt ({type(exc).__name__}: "
                 f"{exc}); it was not changed: restore it, or delete it if no process holds "
                 "the key",
@@ -318,3 +323,17 @@ def raise_floor(path: str, fence: int) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def keys_in(locks_dir: str) -> Iterator[str]:
+    """Keys of every state file in ``locks_dir`` (read from long, hashed names)."""
+    for name in os.listdir(locks_dir):
+        if "~" not in name:
+            yield unquote(name)
+            continue
+        try:
+            with open(os.path.join(locks_dir, name), "rb") as f:
+                key = str(json.loads(f.read(PAGE))["key"])
+        except (FileNotFoundError, ValueError, KeyError):
+            continue  # deleted by reap(), or an empty file not yet written
+        yield key
