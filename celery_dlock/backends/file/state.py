@@ -18,6 +18,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -49,9 +50,20 @@ class Local:
     """One backend's open files in one process, made by ``ProcessLocal``: the descriptor
     cache of lock files, the stripe mutexes, the parse memo and the history segment."""
 
-    __slots__ = ("evicted", "fds", "locks_dir", "memo", "mutex", "segment", "stripes", "url")
+    __slots__ = (
+        "evicted",
+        "fds",
+        "locks_dir",
+        "memo",
+        "mutex",
+        "pid",
+        "segment",
+        "stripes",
+        "url",
+    )
 
     def __init__(self, locks_dir: str, url: str, segment: Segment) -> None:
+        self.pid = os.getpid()
         self.locks_dir = locks_dir
         self.url = url
         self.segment = segment
@@ -123,6 +135,13 @@ class Local:
                 self.evicted.append(self.fds.popitem(last=False))
             self._close_evicted()
         self.segment.close()
+
+    def __del__(self) -> None:
+        # A backend dropped unclosed: its descriptors go with it (a process that made and
+        # dropped backends kept hundreds open), in the process that opened them only: a
+        # forked child closed its copies at the fork, and their numbers may be reused.
+        if self.pid == os.getpid() and not sys.is_finalizing():
+            self.close()
 
     def close_inherited(self) -> None:
         """In a forked child, close the copies of the parent's descriptors.
