@@ -412,11 +412,6 @@ def test_a_waiter_refused_a_waiter_connection_polls_instead_of_failing(
         waiter_store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the doctor's connections check counts max_connections only (doctor._connections), "
-    "not the role's CONNECTION LIMIT that refuses every new worker",
-)
 def test_doctor_fails_connections_when_the_role_limit_is_used_up(
     admin: Any, direct: PostgresBackend, schema: str
 ) -> None:

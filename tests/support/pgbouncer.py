@@ -36,10 +36,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def pgbouncer(mode: str, pool_size: int = POOL_SIZE, target: str = POSTGRES_URL) -> Iterator[str]:
+def pgbouncer(
+    mode: str, pool_size: int = POOL_SIZE, target: str = POSTGRES_URL, **settings: str
+) -> Iterator[str]:
     """A private PgBouncer in pool ``mode`` (trust auth, ``pool_size`` server connections)
-    in front of the server of ``target`` (default: the test server), stopped on exit; its
-    ``postgresql://`` URL."""
+    in front of the server of ``target`` (default: the test server), ``settings`` added to
+    its ``[pgbouncer]`` section, stopped on exit; its ``postgresql://`` URL."""
     binary = shutil.which("pgbouncer") or shutil.which("/usr/sbin/pgbouncer")
     if binary is None:
         unavailable("pgbouncer is not installed (apt-get install pgbouncer)")
@@ -50,14 +52,23 @@ def pgbouncer(mode: str, pool_size: int = POOL_SIZE, target: str = POSTGRES_URL)
     folder = Path(tempfile.mkdtemp(prefix="dlock-pgbouncer-"))
     folder.chmod(0o755)
     (folder / "users.txt").write_text(f'"{user}" ""\n')
+    lines = {
+        "listen_addr": "127.0.0.1",
+        "listen_port": str(port),
+        "auth_type": "trust",
+        "auth_file": str(folder / "users.txt"),
+        "pool_mode": mode,
+        "default_pool_size": str(pool_size),
+        "max_client_conn": "1000",
+        "unix_socket_dir": "",
+        # After a server restart, log in again within a second (the default waits 15 s).
+        "server_login_retry": "1",
+        **settings,
+    }
     (folder / "pgbouncer.ini").write_text(
         f"[databases]\n{server['dbname']} = host={server.get('host', '127.0.0.1')} "
-        f"port={server.get('port', 5432)} dbname={server['dbname']}\n"
-        f"[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nauth_type = trust\n"
-        f"auth_file = {folder / 'users.txt'}\npool_mode = {mode}\n"
-        f"default_pool_size = {pool_size}\nmax_client_conn = 1000\nunix_socket_dir =\n"
-        # After a server restart, log in again within a second (the default waits 15 s).
-        "server_login_retry = 1\n"
+        f"port={server.get('port', 5432)} dbname={server['dbname']}\n[pgbouncer]\n"
+        + "".join(f"{name} = {value}\n" for name, value in lines.items())
     )
     for path in folder.iterdir():
         path.chmod(0o644)

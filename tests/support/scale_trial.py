@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.support import unavailable
+from tests.support.pgbouncer import pgbouncer
 from tests.support.services import POSTGRES_URL
 
 
@@ -46,66 +40,15 @@ class Bouncer:
             return cursor.fetchall() if cursor.description else []
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextlib.contextmanager
 def bouncer(mode: str, pool_size: int, **settings: str) -> Iterator[Bouncer]:
     """A PgBouncer in pool ``mode`` with ``pool_size`` server connections in front of the
-    test server, ``settings`` added to its ``[pgbouncer]`` section; stopped on exit."""
-    binary = shutil.which("pgbouncer") or shutil.which("/usr/sbin/pgbouncer")
-    if binary is None:
-        unavailable("pgbouncer is not installed (apt-get install pgbouncer)")
-    server = conninfo_to_dict(POSTGRES_URL)
-    user = server.get("user", "postgres")
-    port = _free_port()
-    folder = Path(tempfile.mkdtemp(prefix="dlock-scale-bouncer-"))
-    folder.chmod(0o755)  # PgBouncer runs as another user (it refuses root)
-    (folder / "users.txt").write_text(f'"{user}" ""\n')
-    lines = {
-        "listen_addr": "127.0.0.1",
-        "listen_port": str(port),
-        "auth_type": "trust",
-        "auth_file": str(folder / "users.txt"),
-        "admin_users": user,
-        "pool_mode": mode,
-        "default_pool_size": str(pool_size),
-        "max_client_conn": "1000",
-        "unix_socket_dir": "",
-        "server_login_retry": "1",
-        **settings,
-    }
-    (folder / "pgbouncer.ini").write_text(
-        f"[databases]\n{server['dbname']} = host={server.get('host', '127.0.0.1')} "
-        f"port={server.get('port', 5432)} dbname={server['dbname']}\n[pgbouncer]\n"
-        + "".join(f"{name} = {value}\n" for name, value in lines.items())
-    )
-    for path in folder.iterdir():
-        path.chmod(0o644)
-    as_user = ["-u", "postgres"] if os.geteuid() == 0 else []
-    process = subprocess.Popen(
-        [binary, *as_user, str(folder / "pgbouncer.ini")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"pgbouncer did not start on port {port}") from None
-                time.sleep(0.05)
-        yield Bouncer(f"postgresql://{user}@127.0.0.1:{port}/{server['dbname']}", port)
-    finally:
-        process.terminate()
-        process.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
+    test server, ``settings`` added to its ``[pgbouncer]`` section, and its admin console;
+    stopped on exit."""
+    user = conninfo_to_dict(POSTGRES_URL).get("user", "postgres")
+    with pgbouncer(mode, pool_size, admin_users=user, **settings) as url:
+        port = conninfo_to_dict(url)["port"]
+        yield Bouncer(url, int(port))
 
 
 def server_connections(url: str, count: int) -> list[dict[str, Any]]:

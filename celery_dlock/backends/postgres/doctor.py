@@ -17,6 +17,7 @@ their own:
   checks none); each SQL function has the body this version creates; and every statement the
   backend runs is accepted by the server (prepared, never executed): a column of another
   version is named.
+- ``connections``: see :mod:`celery_dlock.backends.postgres.capacity`.
 - ``pooler``: a transaction-mode pooler hands a client's transactions to whichever server
   connection is free. Asking a second client to hold a transaction open makes the pooler
   either give it our server connection (the same backend pid on two clients at once) or give
@@ -37,6 +38,7 @@ import psycopg
 from psycopg.pq import DiagnosticField, ExecStatus
 
 from celery_dlock.backends.base import Check
+from celery_dlock.backends.postgres.capacity import connections
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
 from celery_dlock.backends.postgres.migration import (
@@ -55,8 +57,6 @@ SERVER_TIME = (
 )
 #: ``server_version_num`` of the oldest server we support.
 MIN_VERSION = 120000
-#: Fail when fewer than this share of the usable sessions are free.
-HEADROOM = 0.1
 #: Seconds our second transaction may wait for a pooler's server connection.
 POOL_WAIT = 5.0
 
@@ -90,7 +90,7 @@ def checks(config: Config, liveness: str) -> list[Check]:
                 _version(conn),
                 _schema(conn, config.statements),
                 _pooler(conn, config, liveness),
-                _connections(conn, config, liveness),
+                connections(conn, config, liveness),
             ]
         except psycopg.Error as exc:
             raise translate(exc, "diagnose", config.url) from exc
@@ -422,38 +422,4 @@ def _pooler(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Che
         f"transaction pooling ({seen}): session liveness needs its lock session's advisory "
         "locks to last between transactions; connect directly or through session pooling, "
         "or add liveness=ttl&ttl=SECONDS to the URL",
-    )
-
-
-def _connections(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Check:
-    held = config.statements.keys.held(select="DISTINCT p.pid ")
-    limit, reserved, used, locks, waiters, holding = _one(
-        conn,
-        "-- connections: | max_connections, reserved, client sessions, celery_dlock lock "
-        "and waiter sessions (any schema), sessions holding leases of this schema\n"
-        "SELECT current_setting('max_connections')::int, "
-        "current_setting('superuser_reserved_connections')::int "
-        "+ coalesce(current_setting('reserved_connections', true)::int, 0), "
-        # A role without pg_read_all_stats sees no backend_type of other roles' sessions;
-        # every role sees pg_stat_database.
-        "(SELECT sum(d.numbackends)::int FROM pg_catalog.pg_stat_database AS d), "
-        "count(*) FILTER (WHERE a.application_name = 'celery_dlock lock'), "
-        "count(*) FILTER (WHERE a.application_name = 'celery_dlock waiter'), "
-        f"(SELECT count(*) FROM ({held}) AS h) FROM pg_catalog.pg_stat_activity AS a",
-    )
-    usable = limit - reserved
-    free = usable - used
-    named = "" if not config.has_application_name else " (this URL names its own application_name)"
-    schema = config.statements.names.schema
-    return Check(
-        "connections",
-        free >= HEADROOM * usable,
-        f"{used} of {usable} usable sessions in use (max_connections {limit}, {reserved} "
-        f"reserved), {free} free; celery_dlock: {locks} lock sessions, {waiters} waiter "
-        f"sessions{named}, {holding} sessions holding leases of {schema!r}; "
-        + (
-            "each worker process needs one lock session, plus one per thread waiting at once"
-            if liveness == "session"
-            else "through a pooler, its server connections are what count here"
-        ),
     )
