@@ -19,6 +19,7 @@ the reason it gives, and passes once the library is fixed (then drop the mark).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from typing import Any
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Lock, Locks, Outcome
+from celery_dlock import AsyncLock, BackendError, ConfigurationError, Lock, Locks, Outcome
 from celery_dlock.backends.postgres import PostgresBackend, PostgresTTLBackend
 from celery_dlock.backends.postgres.sql import Names
 from celery_dlock.records import Holder, Lease
@@ -331,12 +332,6 @@ def test_a_ttl_release_cut_off_mid_statement_is_never_reported_lost_while_it_hol
         pooled.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="session liveness through a transaction pooler that passes the startup "
-    "options over (ignore_startup_parameters = options) is not detected (Client.open): "
-    "the lease's advisory lock stays on a pooled server connection after its holder died",
-)
 def test_session_liveness_through_a_pooler_that_ignores_startup_options_is_refused(
     direct: PostgresBackend, schema: str
 ) -> None:
@@ -357,6 +352,25 @@ def test_session_liveness_through_a_pooler_that_ignores_startup_options_is_refus
         assert lease is not None
         taken = direct.try_acquire("job:scale:lenient", Holder.current(), None)
         assert taken is not None, "the dead holder's key is still held by the pool"
+
+
+def test_an_asyncio_lock_session_through_a_pooler_that_ignores_startup_options_is_refused(
+    schema: str,
+) -> None:
+    """The same pooler, the asyncio client (``AsyncLock`` opens a lock session of its own)."""
+
+    async def acquire(backend: PostgresBackend) -> None:
+        async with AsyncLock(backend, "job:scale:lenient-aio"):
+            pass
+
+    with bouncer("transaction", POOL, ignore_startup_parameters="options") as lenient:
+        pooled = PostgresBackend.from_url(with_options(lenient.url, schema=schema))
+        try:
+            with pytest.raises(ConfigurationError, match="ignore_startup_parameters") as refused:
+                asyncio.run(acquire(pooled))
+        finally:
+            pooled.close()
+    assert "liveness=ttl" in str(refused.value)
 
 
 # -- session liveness near the connection limit -----------------------------------------------

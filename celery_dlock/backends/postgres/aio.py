@@ -32,6 +32,7 @@ from celery_dlock.backends.common import LoopLocal, ProcessLocal, retried_detail
 from celery_dlock.backends.postgres import rows, waiting
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.pooling import opened, pooled
 from celery_dlock.backends.postgres.prepared import AsyncPreparedStatements
 from celery_dlock.backends.postgres.recovery import SessionEnded, refusal
 from celery_dlock.backends.postgres.session import (
@@ -42,7 +43,6 @@ from celery_dlock.backends.postgres.session import (
     has_ended,
     migrate,
     missing_tables,
-    pooled,
     tell_lost,
 )
 from celery_dlock.backends.postgres.statements import Statements
@@ -106,7 +106,7 @@ class _Loop:
         try:
             row = await (await conn.execute(statements.open)).fetchone()
             assert row is not None
-            pid = int(row[0])
+            pid = opened(config, row)
             if not row[1]:
                 if not config.auto_migrate:
                     raise missing_tables(config)

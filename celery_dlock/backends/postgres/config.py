@@ -14,7 +14,7 @@ from psycopg.conninfo import make_conninfo
 
 from celery_dlock.backends import mask_url
 from celery_dlock.backends.common import flag, url_options
-from celery_dlock.backends.postgres.sql import Names, validate_names
+from celery_dlock.backends.postgres.sql import LOCK_SESSION, Names, validate_names
 from celery_dlock.backends.postgres.statements import Statements
 from celery_dlock.errors import BackendError, ConfigurationError, DLockError
 
@@ -173,6 +173,7 @@ class Config:
             f"-c tcp_user_timeout={self.tcp_user_timeout}",
         ]
         if role == "lock":
+            server.append(f"-c {LOCK_SESSION}=on")  # read back: the options got through
             server.append("-c idle_in_transaction_session_timeout=0")
             server.append(f"-c synchronous_commit={'on' if self.synchronous_commit else 'off'}")
         elif role == "waiter":

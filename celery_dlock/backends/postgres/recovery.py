@@ -12,7 +12,8 @@ import psycopg
 
 from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.config import Config, translate
-from celery_dlock.backends.postgres.session import Client, Session, connection_lost, pooled
+from celery_dlock.backends.postgres.pooling import pooled
+from celery_dlock.backends.postgres.session import Client, Session, connection_lost
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Lease, Outcome, Record
 

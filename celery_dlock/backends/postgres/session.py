@@ -31,6 +31,7 @@ from celery_dlock.backends.base import Place
 from celery_dlock.backends.common import weakly
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.migration import migrate
+from celery_dlock.backends.postgres.pooling import opened, pooled
 from celery_dlock.backends.postgres.prepared import PreparedStatements
 from celery_dlock.backends.postgres.statements import HANDED_OVER, Statements
 from celery_dlock.errors import ConfigurationError
@@ -63,17 +64,6 @@ def missing_tables(config: Config) -> ConfigurationError:
         f"the celery_dlock tables are missing in schema {config.statements.names.schema!r}: "
         f"call the backend's migrate() (or `celery-dlock migrate`, `celery dlock migrate`), "
         f"or add auto_migrate=1 to the URL [{config.url}]"
-    )
-
-
-def pooled(config: Config, pid: int, other: int) -> ConfigurationError:
-    """The error for a lock session whose backend pid changed between two transactions."""
-    return ConfigurationError(
-        f"the lock session's backend pid changed between two transactions ({pid} -> "
-        f"{other}): a transaction-mode pooler (PgBouncer pool_mode=transaction?) is in the "
-        f"way. Session advisory locks need a direct connection or session pooling; or add "
-        f"liveness=ttl&ttl=SECONDS to the URL: leases then live by their ttl alone, which "
-        f"works through a pooler [{config.url}]"
     )
 
 
@@ -186,7 +176,7 @@ class Client:
         try:
             row = conn.execute(statements.open).fetchone()
             assert row is not None
-            pid, ready = int(row[0]), bool(row[1])
+            pid, ready = opened(config, row), bool(row[1])
             if not ready:
                 if not config.auto_migrate:
                     raise missing_tables(config)

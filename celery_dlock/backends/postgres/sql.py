@@ -11,7 +11,15 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-__all__ = ["COMMENTS", "FENCE_GAP", "FENCE_START", "Names", "ddl", "validate_names"]
+__all__ = [
+    "COMMENTS",
+    "FENCE_GAP",
+    "FENCE_START",
+    "LOCK_SESSION",
+    "Names",
+    "ddl",
+    "validate_names",
+]
 
 #: The first fence.
 FENCE_START = 1
@@ -20,6 +28,11 @@ FENCE_START = 1
 #: fences than a server can hand out in the WAL that a crash can lose (async commits are
 #: flushed within 3 x wal_writer_delay; 10**9 is 10,000 s at 100,000 acquisitions/s).
 FENCE_GAP = 10**9
+
+#: A setting only a lock session's startup options set (``on``), read back when it opens:
+#: a pooler that passes the options over (PgBouncer ``ignore_startup_parameters =
+#: options``) leaves it unset, and session liveness cannot work through it.
+LOCK_SESSION = "celery_dlock.lock_session"
 
 #: Table comments (no quotes in them): what a reader of ``\\dt+`` learns about each table.
 COMMENTS = {

@@ -17,7 +17,7 @@ from typing import Any
 from psycopg.types.numeric import Int8
 
 from celery_dlock.backends.postgres.advisory import HANDED_OVER, LeaseKeys
-from celery_dlock.backends.postgres.sql import FENCE_GAP, Names
+from celery_dlock.backends.postgres.sql import FENCE_GAP, LOCK_SESSION, Names
 
 __all__ = ["HANDED_OVER", "Statements"]
 
@@ -383,13 +383,14 @@ class Statements:
             "THEN set_config('idle_session_timeout', '0', false) END"
         )
         self.open = (
-            "-- open: | backend pid, whether the tables exist; idle_session_timeout off\n"
+            "-- open: | backend pid, whether the tables exist; a lock session: its startup "
+            f"option {LOCK_SESSION} as the server got it, idle_session_timeout off\n"
             "SELECT pg_backend_pid(), "
             + " AND ".join(
                 f"to_regclass('{name}') IS NOT NULL"
                 for name in (n.locks, n.history, n.successes, n.guard, n.fence)
             )
-            + (idle if session else "")
+            + (f", current_setting('{LOCK_SESSION}', true){idle}" if session else "")
         )
         self.check = (
             "-- check: | backend pid (again, in a second transaction), fence guard present\n"
