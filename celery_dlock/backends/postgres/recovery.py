@@ -11,11 +11,12 @@ from typing import Any
 import psycopg
 
 from celery_dlock.backends.postgres import rows
+from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.pooling import pooled
 from celery_dlock.backends.postgres.session import Client, Session, connection_lost
 from celery_dlock.errors import BackendError, ConfigurationError
-from celery_dlock.records import Lease, Outcome, Record
+from celery_dlock.records import Lease, Outcome
 
 __all__ = ["SessionEnded", "refuse", "resolve_release", "undo_acquire", "using_session"]
 
@@ -88,21 +89,26 @@ def refusal(config: Config, fence: int, pid: int, ran_on: int) -> Exception:
 
 
 def resolve_release(
-    client: Client, lease: Lease, outcome: Outcome, ended: SessionEnded, url: str
-) -> Record | None:
+    client: Client, lease: Lease, outcome: Outcome, ended: SessionEnded, again: Release
+) -> Any:
     """The session ended under a release: read the lease's record back by its token.
 
-    If the release landed, its record is there; if not, the lease died with the session and
-    stays for the next taker or ``reap()`` to record as ``disconnected``.
+    If the release landed, its record is there. If not: with session liveness the lease
+    died with the session and stays for the next taker or ``reap()`` to record as
+    ``disconnected`` (None); with ``liveness=ttl`` it lives on by its ttl, so the release
+    runs ``again`` on a new session (it compares the token): its row, or None when the lease
+    is no longer ours. A failure here is a ``BackendError`` (the caller may try again).
     """
     client.lost.discard(lease.fence)
-    statements = client.config.statements
+    statements, url = client.config.statements, client.config.url
     try:
         session = client.open()
         row = session.one(statements.record_of, {"key": lease.key, "token": lease.token})
-    except psycopg.Error as again:
+        if row is None and client.config.liveness == "ttl":
+            return session.one(again.statement, {**again.params, "unlock": False})
+    except psycopg.Error as failed:
         client.drop()
-        raise translate(again, "release (reading back)", url) from ended.__cause__
+        raise translate(failed, "release (reading back)", url) from ended.__cause__
     if row is None or row[7] != outcome.value:
         return None
     return rows.record(row)

@@ -186,21 +186,14 @@ class PostgresStore(LockBackend):
         call = Release(self._sql, lease, outcome, problem=problem, details=details, result=result)
         client = self._clients.get()
         with client.mutex:
-            row = self._release(client, lease, call.outcome, call.statement, call.params)
+            row = self._release(client, lease, call)
         if row is None or isinstance(row, Record):
             return row
         if row[5]:
             client.yield_to_waiters(lease.key)
         return call.record(row)
 
-    def _release(
-        self,
-        client: Client,
-        lease: Lease,
-        outcome: Outcome,
-        statement: str,
-        params: dict[str, Any],
-    ) -> Any:
+    def _release(self, client: Client, lease: Lease, call: Release) -> Any:
         """The release statement under the session mutex: its row, a record read back after
         the session ended under it, or None."""
         if lease.fence in client.lost:
@@ -208,12 +201,12 @@ class PostgresStore(LockBackend):
             return None
         try:
             with using_session(client, self.url, "release") as session:
-                params["unlock"] = unlock = lease.fence in session.held
-                row = session.one(statement, params)
+                call.params["unlock"] = unlock = lease.fence in session.held
+                row = session.one(call.statement, call.params)
                 if row is None and unlock:  # not ours any more, but its lock still is
                     session.one(self._sql.unlock, {"fence": lease.fence})
         except SessionEnded as ended:
-            return resolve_release(client, lease, outcome, ended, self.url)
+            return resolve_release(client, lease, call.outcome, ended, call)
         if unlock:
             session.held.pop(lease.fence, None)
         return row
