@@ -277,6 +277,38 @@ def test_migrate_through_the_pooler_keeps_the_sql_functions_bound_to_their_sessi
         pooled.close()
 
 
+def cut_off(admin: Any, schema: str, lease: Lease, statement: str, call: Any) -> dict[str, Any]:
+    """Run ``call()`` while another session holds ``lease``'s row, so that the statement
+    named ``statement`` waits on it; end the server connection it waits on, let the row go;
+    what ``call`` returned (``answer``) or raised (``error``)."""
+    blocker = psycopg.connect(POSTGRES_URL)  # holds the row: the statement waits on it
+    blocker.execute(f'SELECT FROM "{schema}".locks WHERE key = %s FOR UPDATE', (lease.key,))
+    found: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            found["answer"] = call()
+        except BackendError as exc:
+            found["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    waiting = eventually(
+        lambda: admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE %s AND application_name = 'dlock_cut'",
+            (f"-- {statement}%",),
+        ).fetchall(),
+        f"the {statement} waits on the row",
+    )
+    end_server_connection(admin, waiting[0][0])
+    blocker.rollback()  # a statement tried again on a new connection may go on
+    blocker.close()
+    thread.join(30)
+    assert found, f"the {statement} returned"
+    return found
+
+
 def test_a_ttl_release_cut_off_mid_statement_is_never_reported_lost_while_it_holds_the_key(
     pooler: Bouncer, direct: PostgresBackend, schema: str, admin: Any
 ) -> None:
@@ -284,49 +316,43 @@ def test_a_ttl_release_cut_off_mid_statement_is_never_reported_lost_while_it_hol
     the pooler, ``pg_terminate_backend``): the release did not land. With ``liveness=ttl``
     the lease does not die with a connection, so the release must land on a new one or
     raise ``BackendError`` (``release``'s contract: None only when the lease was no longer
-    ours). Today it says None, the ``Lock`` records ``lost`` instead of ``succeeded``, and
-    the key stays held until the ttl runs out, to be recorded ``expired`` as well."""
+    ours). It said None: the ``Lock`` recorded ``lost`` instead of ``succeeded``, and the
+    key stayed held until the ttl ran out, to be recorded ``expired`` as well."""
     pooled = PostgresBackend.from_url(ttl_url(pooler, schema, application_name="dlock_cut"))
     try:
         lease = pooled.try_acquire("job:scale:cut", Holder.current(), 60)
         assert lease is not None
-        blocker = psycopg.connect(POSTGRES_URL)  # holds the row: the release waits on it
-        blocker.execute(
-            f'SELECT FROM "{schema}".locks WHERE key = %s FOR UPDATE', ("job:scale:cut",)
+        found = cut_off(
+            admin, schema, lease, "release", lambda: pooled.release(lease, Outcome.SUCCEEDED)
         )
-        answer: dict[str, Any] = {}
-
-        def release() -> None:
-            try:
-                answer["record"] = pooled.release(lease, Outcome.SUCCEEDED)
-            except BackendError as exc:
-                answer["error"] = exc
-
-        releasing = threading.Thread(target=release)
-        releasing.start()
-        waiting = eventually(
-            lambda: admin.execute(
-                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE '-- release%%' AND application_name = 'dlock_cut'"
-            ).fetchall(),
-            "the release waits on the row",
-        )
-        end_server_connection(admin, waiting[0][0])
-        blocker.rollback()  # a release tried again on a new connection may go on
-        blocker.close()
-        releasing.join(30)
-        assert answer, "the release returned"
-        current = direct.get("job:scale:cut")
-        if "record" in answer and answer["record"] is None:
-            assert current is None or current.token != lease.token, (
-                "release said the lease was no longer ours, but it still holds the key"
-            )
-        # The lease outlived its connection: the release lands on a new one, recorded.
-        assert "error" not in answer, answer
-        assert answer["record"] is not None, "a live lease's release came back as lost"
-        assert answer["record"].outcome is Outcome.SUCCEEDED and current is None
+        assert "error" not in found, found
+        record, current = found["answer"], direct.get("job:scale:cut")
+        assert record is not None, f"a live lease's release came back as lost; now {current}"
+        assert record.outcome is Outcome.SUCCEEDED and current is None
         records = direct.history(key="job:scale:cut", limit=None)
         assert [(r.outcome, r.lease.token) for r in records] == [(Outcome.SUCCEEDED, lease.token)]
+    finally:
+        pooled.close()
+
+
+def test_a_ttl_hand_over_cut_off_mid_statement_lands_on_a_new_connection(
+    pooler: Bouncer, direct: PostgresBackend, schema: str, admin: Any
+) -> None:
+    """The same for the hand-over of a dedupe mark to its message: it came back as None
+    ("the lease died with the session"), logged as a mark lost while its message was
+    sent, and the mark kept only its short send ttl, though the lease lived on."""
+    pooled = PostgresBackend.from_url(ttl_url(pooler, schema, application_name="dlock_cut"))
+    try:
+        lease = pooled.try_acquire("job:scale:handed", Holder.current(), 30)
+        assert lease is not None
+        found = cut_off(admin, schema, lease, "hand_over", lambda: pooled.hand_over(lease, 600))
+        assert "error" not in found, found
+        handed = found["answer"]
+        assert handed is not None, "a live lease's hand-over came back as lost"
+        current = direct.get("job:scale:handed")
+        assert current is not None and current.token == lease.token
+        assert (current.expires_at or 0) > time.time() + 500  # the message's ttl, not 30 s
+        assert pooled.release(handed, Outcome.SUCCEEDED) is not None
     finally:
         pooled.close()
 

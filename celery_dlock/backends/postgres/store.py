@@ -285,7 +285,10 @@ class PostgresStore(LockBackend):
                     if row is None and unlock:  # not ours any more, but its lock still is
                         session.one(self._sql.unlock, {"fence": lease.fence})
             except SessionEnded:
-                return None  # the lease died with the session
+                if self._config.liveness == "session":
+                    return None  # the lease died with the session
+                with using_session(client, self.url, "hand_over") as session:  # it lives on
+                    row = session.one(self._sql.hand_over, {**params, "unlock": False})
             session.held.pop(lease.fence, None)
         if row is None:
             return None
