@@ -142,8 +142,8 @@ def test_the_janitor_reaps_the_other_keys_past_a_corrupt_lock_file(
     path = _lock_file(tmp_path, KEY)
     spoilt = _truncated(path.read_text()).encode()
     path.write_bytes(spoilt)
-    time.sleep(0.2)  # the dead leases' ttl runs out
-    janitor = FileBackend(str(tmp_path))  # another process's view: nothing cached
+    # Another process's view (nothing cached), a minute later: the dead leases' ttl ran out.
+    janitor = FileBackend(str(tmp_path), clock=lambda: time.time() + 60)
     with caplog.at_level("ERROR", logger="celery_dlock.file"):
         cleared = janitor.reap(limit=100)
     assert sorted(record.key for record in cleared) == keys
