@@ -16,10 +16,11 @@ import click
 
 from celery_dlock.cli.commands import JSON, confirmed, operator
 from celery_dlock.cli.env import Env, guarded
-from celery_dlock.cli.render import human_duration, local_time, record_json
+from celery_dlock.cli.render import holder_text, human_duration, local_time, record_json
+from celery_dlock.errors import LockKeyError
 from celery_dlock.forgetting import forget as forget_kept
 from celery_dlock.forgetting import kept_steps
-from celery_dlock.keys import validate_key
+from celery_dlock.keys import MARK, validate_key
 from celery_dlock.records import Record
 
 __all__ = ["forget"]
@@ -60,6 +61,8 @@ def forget(env: Env, key: str, *, task_name: str, force: bool, reason: str, as_j
     env.echo(f"success kept on {key} for {task_name}:\n{_lines(kept)}", err=as_json)
     if steps:
         env.echo(f"  and the successes of its replacements: {', '.join(steps)}", err=as_json)
+    for note in _going_on(env, key, task_name):
+        env.echo(note, err=as_json)
     question = "Forget it, so that the next run runs its body again?"
     if not force and not confirmed(env, question, err=as_json):
         _finish(env, as_json, key, "declined", "not forgotten", kept=kept)
@@ -71,11 +74,9 @@ def forget(env: Env, key: str, *, task_name: str, force: bool, reason: str, as_j
             "by someone else, or kept by another run); nothing was touched"
         )
         _finish(env, as_json, key, "changed", text, kept=kept)
-    also = f" and of {len(steps)} replacement{'s' * (len(steps) != 1)}" if steps else ""
-    text = (
-        f"forgot the success of {task_name}{also} on {key} (fence {kept.fence}); recorded as "
-        f"forgotten: {reason}"
-    )
+    # What the record says was forgotten, not ``steps``: a page of the run that kept
+    # the success may have kept its own while the question was asked, and went with it.
+    text = f"forgot the success of {task_name} on {key} (fence {kept.fence}): {record.details}"
     _finish(env, as_json, key, "forgotten", text, kept=kept, record=record)
 
 
@@ -87,6 +88,31 @@ def _hint(env: Env, key: str, task_name: str) -> str:
     if prefix and not key.startswith(prefix) and env.backend.last_success(full, task_name):
         return f" (keys are given in full: did you mean {full!r}?)"
     return ": nothing to forget"
+
+
+def _going_on(env: Env, key: str, task_name: str) -> list[str]:
+    """What will run the task on the key whatever is forgotten now: a run holding the key
+    (its success, if it ends after this, is the one kept and replayed) and a message
+    queued under a dedupe mark (its body runs). An operator who forgets so that the next
+    run charges anew must know that the next run may already be going on."""
+    notes = []
+    held = env.backend.get(key)
+    if held is not None:
+        notes.append(
+            f"  note: a run holds {key} now (fence {held.fence}, {holder_text(held)}): if it "
+            "succeeds after this, its success is kept and replayed"
+        )
+    mark_key = f"{key}{MARK}{task_name}"
+    try:
+        mark = env.backend.get(validate_key(mark_key))
+    except LockKeyError:  # too long to be a mark's key: no message was marked with it
+        mark = None
+    if mark is not None:
+        notes.append(
+            f"  note: a message of {task_name} is queued for {key} ({holder_text(mark)}): "
+            "it runs its body after this"
+        )
+    return notes
 
 
 def _lines(kept: Record) -> str:

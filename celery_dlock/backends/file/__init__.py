@@ -350,7 +350,13 @@ class FileBackend(LockBackend):
     def forget_success(self, key: str, task_name: str, token: str) -> bool:
         path = history.success_path(self._success_dir, key, task_name)
         try:
-            return history.forget_success(path, token)
+            kept = history.read_success(path)
+            if kept is None or kept.lease.token != token:
+                return False
+            # The key's flock, as releases and forgets take it: no other forget and new
+            # success can come between the read that found ours and the unlink.
+            with self._locked(key):
+                return history.forget_success(path, token)
         except (OSError, ValueError) as exc:
             raise BackendError(f"cannot forget the success of {key!r}: {exc}", self.url) from exc
 

@@ -298,8 +298,9 @@ def write_success(path: str, record: Record, *, fsync: bool, first: bool = False
 
 def forget_success(path: str, token: str) -> bool:
     """Remove the success file ``path`` if the lease with ``token`` kept it; whether it did.
-    Only that lease's own release rewrites the file in place, so no other success can come
-    between the read and the unlink."""
+    The caller holds the key's flock, as every forget and release does: the file read is
+    the one unlinked (a ``remember`` only creates it where there is none, or rewrites the
+    same lease's own)."""
     kept = read_success(path)
     if kept is None or kept.lease.token != token:
         return False

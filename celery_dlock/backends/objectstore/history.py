@@ -205,6 +205,10 @@ def succeed(backend: ObjectStoreBackend, state: LockState, record: dict[str, Any
     return with_success(state.successes, record)
 
 
+#: Creates of a ``success/`` object tried, each refused by one deleted before its read.
+_FIRST_ATTEMPTS = 4
+
+
 def _first(
     backend: ObjectStoreBackend, key: str, task_name: str, record: dict[str, Any]
 ) -> dict[str, Any]:
@@ -212,13 +216,16 @@ def _first(
     its create-if-absent is the first, else the one there (ours too, if an earlier try of
     the same release made it)."""
     name = backend.layout.success_name(key, task_name)
-    if backend.objects.create(name, encode(record)).version is not None:
-        return record
-    body = backend.objects.read(name).body
-    if body is None:  # only ever created, but deleted by hand in between
-        raise BackendError(f"{name!r} was there, then gone: not created", backend.url)
-    kept: dict[str, Any] = json.loads(body)
-    return kept
+    for _ in range(_FIRST_ATTEMPTS):
+        if backend.objects.create(name, encode(record)).version is not None:
+            return record
+        body = backend.objects.read(name).body
+        if body is not None:
+            kept: dict[str, Any] = json.loads(body)
+            return kept
+        # Gone between the refused create and the read: forgotten (``forget``), or deleted
+        # by hand. Nothing is kept now: create it again.
+    raise BackendError(f"{name!r} was there, then gone, {_FIRST_ATTEMPTS} times", backend.url)
 
 
 def remember(backend: ObjectStoreBackend, record: Record) -> bool:
@@ -244,38 +251,49 @@ _FORGET_ATTEMPTS = 8
 
 
 def forget(backend: ObjectStoreBackend, key: str, task_name: str, token: str) -> bool:
-    """Forget the success of ``task_name`` on ``key`` kept by the lease with ``token``: out
-    of the lock object's ``successes`` (a compare-and-swap that carries the rest, a lease
-    held included), then its ``success/`` object (a delete by version). Whether it was kept.
+    """Forget the success of ``task_name`` on ``key`` kept by the lease with ``token``:
+    its ``success/`` object (a delete by version), then out of the lock object's
+    ``successes`` (a compare-and-swap that carries the rest, a lease held included).
+    Whether this call forgot it: its delete of the ``success/`` object, where every kept
+    success is (``layout``), decides between forgets racing.
+
+    In that order, and the lock object swapped after a delete even without the success in
+    it, because a release whose lock object lacks the task's success copies the one under
+    ``success/`` into it (``succeed``): deleted second, the success forgotten would come
+    back through a release landing between the two writes; and a release that read the
+    ``success/`` object before the delete fails its swap on the version this swap changed,
+    and reads again.
 
     Raises:
         BackendError: the lock object changed under every swap tried.
     """
-    name = backend.layout.lock(key)
-    forgotten = False
-    for _ in range(_FORGET_ATTEMPTS):
-        state = backend.objects.decode(backend.objects.read(name), name)
-        kept = None if state is None else state.successes.get(task_name)
-        if state is None or kept is None or kept["lease"]["token"] != token:
-            break
-        rest = {task: record for task, record in state.successes.items() if task != task_name}
-        written, _ = backend.objects.write_state(
-            name, state, state.key, state.fence, state.lease, freed_at=state.freed_at,
-            successes=rest,
-        )  # fmt: skip
-        if written is not None:
-            forgotten = True
-            break
-    else:
-        raise BackendError(f"{name!r} changed under every try to forget a success", backend.url)
     store = backend.store()
+    forgotten = False
     for success in list(store.names(backend.layout.success_dir(key, task_name))):
         found = backend.objects.read(success)
         if found.body is None or found.version is None:
             continue
         if Record.from_dict(json.loads(found.body)).lease.token == token:
             forgotten = store.delete_if(success, found.version) or forgotten
-    return forgotten
+    name = backend.layout.lock(key)
+    for _ in range(_FORGET_ATTEMPTS):
+        state = backend.objects.decode(backend.objects.read(name), name)
+        kept = None if state is None else state.successes.get(task_name)
+        ours = kept is not None and kept["lease"]["token"] == token
+        if state is None or not (ours or forgotten):
+            return forgotten
+        rest = {
+            task: record
+            for task, record in state.successes.items()
+            if not ours or task != task_name
+        }
+        written, _ = backend.objects.write_state(
+            name, state, state.key, state.fence, state.lease, freed_at=state.freed_at,
+            successes=rest,
+        )  # fmt: skip
+        if written is not None:
+            return forgotten
+    raise BackendError(f"{name!r} changed under every try to forget a success", backend.url)
 
 
 def prune(backend: ObjectStoreBackend, before: float) -> int:

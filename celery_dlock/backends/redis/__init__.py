@@ -114,7 +114,7 @@ from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import ACQUIRE, DUE, EXPIRE, PEEK, PROBE, RELEASE, RENEW
 from celery_dlock.backends.redis.url import parse_url
 from celery_dlock.errors import BackendError, ConfigurationError
-from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception
+from celery_dlock.records import Holder, Lease, Outcome, Record, describe_exception, new_token
 
 __all__ = ["RedisBackend"]
 
@@ -124,6 +124,8 @@ PEEK_BATCH = 1000
 #: The ttl of a ``Lock`` given none (``ttl`` option): a lease's only liveness here is its
 #: ttl, so one without would outlive a killed holder for good.
 DEFAULT_TTL = 60.0
+#: How long the mark of a forget lives: longer than the client's retries of its script.
+FORGET_MARK_MS = 60_000
 
 
 class RedisBackend(LockBackend):
@@ -339,8 +341,11 @@ class RedisBackend(LockBackend):
 
     def forget_success(self, key: str, task_name: str, token: str) -> bool:
         result_key = self._layout.result(key, task_name)
-        gone = self._client.eval(FORGET, [result_key], [token], operation="forget", key=key)
-        return bool(gone)
+        # The call's nonce, left in a mark: a retry of a run whose reply was lost finds the
+        # success gone and its own nonce, not a forget by someone else (the client retries).
+        keys = [result_key, _forget_mark(result_key)]
+        args = [token, new_token(), FORGET_MARK_MS]
+        return bool(self._client.eval(FORGET, keys, args, operation="forget", key=key))
 
     def reap(self, limit: int = 100) -> list[Record]:
         """Records ``expired`` the leases that Redis expired, found through the index (by
@@ -437,3 +442,11 @@ class RedisBackend(LockBackend):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _forget_mark(result_key: bytes) -> bytes:
+    """The name of the mark a forget leaves beside ``result_key``: ``{tag}:forgotten:...``
+    for ``{tag}:success:...``, the same hash tag (so the same cluster slot); the tag is
+    up to the first ``}:`` (a prefix holds no braces)."""
+    tag = result_key[: result_key.index(b"}:") + 2]
+    return tag + b"forgotten:" + result_key[len(tag) + len(b"success:") :]

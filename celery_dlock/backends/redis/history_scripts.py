@@ -79,11 +79,16 @@ return 1
 FORGET = Script(
     "forget",
     """
--- forget: KEYS 1 result key | ARGV 1 the token of the lease that kept it | 1 if that
--- lease's success was kept and is now gone, else 0
+-- forget: KEYS 1 result key, 2 its forget mark | ARGV 1 the token of the lease that kept
+-- it, 2 this call's nonce, 3 the mark's life (ms) | 1 if that lease's success was kept and
+-- this call forgot it (a run again after a lost reply finds its own nonce), else 0
 if redis.call('HGET', KEYS[1], 'tok') ~= ARGV[1] then
+  if redis.call('GET', KEYS[2]) == ARGV[2] then
+    return 1
+  end
   return 0
 end
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 return redis.call('DEL', KEYS[1])
 """,
 )
