@@ -5,14 +5,24 @@ reports; and the run's check that the file store's disk did not stay full."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.torture.check import Report, Section, check_history, check_sections, wrong_record
+from bench.torture import worker
+from bench.torture.check import (
+    Report,
+    Section,
+    check_history,
+    check_sections,
+    load_sections,
+    wrong_record,
+)
+from bench.torture.ledger import open_ledger
 from bench.torture.run import check_disk
 from bench.torture.servers import FileStore, disk_mib
-from celery_dlock import Lock, backend_from_url
+from celery_dlock import Holder, Lease, Lock, backend_from_url
 from tests.support import unavailable
 
 KEY = "torture:k:0"
@@ -161,3 +171,61 @@ def test_a_file_store_disk_left_full_by_its_history_fails_the_run() -> None:
     finally:
         backend.close()
         store.stop()
+
+
+def test_a_run_without_a_single_acquisition_fails(tmp_path: Path) -> None:
+    # Before: a run whose workers all started after its stop (a loaded machine) passed
+    # with "0 violations", having tested nothing.
+    (tmp_path / "w01.0001.jsonl").write_text('{"e":"start","t":1.0}\n')
+    report = Report("file")
+    assert load_sections(tmp_path, [], report) == []
+    assert report.violations == 1
+    assert "no acquisition" in report.problems[0]
+
+
+def test_the_begin_lines_of_a_set_are_one_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: one write per lease, and a SIGSTOP between them made the later leases of a
+    # set look granted after the fences others took during the pause (a false violation).
+    log_path = tmp_path / "w01.0001.jsonl"
+    job = worker.Job(
+        "memory://", f"file://{tmp_path}/ledger", [], None, 0.0, 0.0, str(log_path), "stop"
+    )
+    leases = [Lease(f"{KEY}{n}", f"t{n}", 10 + n, Holder.current(), 1.0) for n in range(3)]
+    writes: list[bytes] = []
+    real_write = os.write
+
+    def counted(fd: int, data: bytes) -> int:
+        writes.append(data)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(worker.os, "write", counted)
+    ledger = open_ledger(job.ledger)
+    ledger.create([lease.key for lease in leases])
+    worker.write(job, ledger, leases, worker.Log(str(log_path)))
+    monkeypatch.undo()
+    begins = [data for data in writes if b'"e":"begin"' in data]
+    assert len(begins) == 1 and begins[0].count(b'"e":"begin"') == 3
+    report = Report("file")
+    sections = load_sections(tmp_path, [], report)
+    assert sorted(section.fence for section in sections) == [10, 11, 12]
+
+
+def test_a_worker_killed_at_the_stop_is_no_fault_asked_for(tmp_path: Path) -> None:
+    # Before: counted among the kills, so a run asked for 4 reported 5 when a worker was
+    # still starting at the stop (the short run's test asserts the count).
+    (tmp_path / "w01.0001.jsonl").write_text(
+        '{"e":"begin","key":"k","token":"a","fence":1,"t":1.0}\n'
+    )
+    (tmp_path / "w02.0001.jsonl").write_text(
+        '{"e":"begin","key":"k","token":"b","fence":2,"t":3.0}\n'
+    )
+    events = [
+        {"e": "kill", "log": "w01.0001.jsonl", "t": 2.0, "in_section": True},
+        {"e": "kill", "log": "w02.0001.jsonl", "t": 4.0, "in_section": True, "at_stop": True},
+    ]
+    report = Report("file")
+    sections = load_sections(tmp_path, events, report)
+    assert report.kills == 1
+    assert sorted((s.fence, s.killed, s.end) for s in sections) == [(1, True, 2.0), (2, True, 4.0)]

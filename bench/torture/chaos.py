@@ -150,8 +150,9 @@ class Fleet:
         at = time.monotonic()
         log = self.logs[slot].name
         self.record(
-            e="kill", pid=process.pid, log=log, t=at, wall=time.time(), in_section=in_section
-        )
+            e="kill", pid=process.pid, log=log, t=at, wall=time.time(), in_section=in_section,
+            at_stop=not respawn,
+        )  # fmt: skip
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
         if respawn:

@@ -136,7 +136,8 @@ def load_events(directory: Path) -> list[dict[str, Any]]:
 def load_sections(directory: Path, events: list[dict[str, Any]], report: Report) -> list[Section]:
     """Every section of the run, with kills applied; counts busy keys and store errors."""
     kills = {event["log"]: event for event in events if event["e"] == "kill"}
-    report.kills = len(kills)
+    # The faults asked for: not the workers killed at the stop (still starting, or stuck).
+    report.kills = sum(not event.get("at_stop", False) for event in kills.values())
     restarts = [event for event in events if event["e"] == "restart"]
     report.restarts = len(restarts)
     report.pauses = sum(event["e"] == "pause" for event in events)
@@ -186,6 +187,8 @@ def load_sections(directory: Path, events: list[dict[str, Any]], report: Report)
                 report.killed_in_section += 1
         sections.extend(mine.values())
     report.acquisitions = len(sections)
+    if not sections:  # e.g. every worker started after the stop, on a loaded machine
+        report.fail("no acquisition at all: the run tested nothing")
     return sections
 
 
