@@ -448,7 +448,8 @@ def test_a_once_sync_whose_replacement_failed_runs_again_once_its_success_is_for
     done = run_cli("--backend", trial.store.url, "forget", key, "--task", "r.paged_once",
                    "--force", "--reason", "page 3 fixed")  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "forgot the success of r.paged_once and of 1 replacement on" in done.stdout
+    assert f"forgot the success of r.paged_once on {key}" in done.stdout
+    assert "and those of r.paged_once (replacement 1) forgotten" in done.stdout
     assert trial.store.last_success(key, "r.paged_once (replacement 1)") is None
     again = trial.tasks.paged_once.delay(customer, 1, 3, {})
     assert again.get(timeout=60) == {"pages": 3}
