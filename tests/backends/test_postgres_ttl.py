@@ -20,7 +20,7 @@ from celery_dlock import ConfigurationError, Lock, Outcome
 from celery_dlock.backends.postgres import PostgresBackend, PostgresTTLBackend
 from celery_dlock.backends.postgres.sql import Names
 from tests.support.pgbouncer import POOL_SIZE, pgbouncer_url
-from tests.support.services import with_options
+from tests.support.services import peak_sessions, with_options
 
 pytest.importorskip("psycopg")
 
@@ -119,13 +119,7 @@ def test_12_processes_over_4_server_connections_never_overlap(
     args = [url, "job:ttl:contended", str(rounds), str(counter), str(log), str(start)]
     processes = [subprocess.Popen([sys.executable, CONTEND, *args]) for _ in range(12)]
     start.write_text("go")
-    peak = 0
-    while any(p.poll() is None for p in processes):
-        row = admin.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
-        ).fetchone()
-        peak = max(peak, int(row[0]))
-        time.sleep(0.05)
+    peak = peak_sessions(admin, name, processes)
     assert [p.wait(timeout=120) for p in processes] == [0] * 12
     assert int(counter.read_text()) == 12 * rounds  # no update lost: never two at once
     fences = [int(line) for line in log.read_text().split()]

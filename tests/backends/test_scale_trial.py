@@ -42,7 +42,7 @@ from tests.support import eventually
 from tests.support.doctor import by_name
 from tests.support.redis_cluster import Cluster, shared_cluster, start_cluster
 from tests.support.scale_trial import Bouncer, bouncer, limited_role, server_connections
-from tests.support.services import POSTGRES_URL, with_options
+from tests.support.services import POSTGRES_URL, peak_sessions, with_options
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -111,13 +111,7 @@ def test_24_processes_over_3_server_connections_never_overlap_and_leave_no_sessi
         ]
     assert len(processes) == 24
     start.write_text("go")
-    peak = 0
-    while any(p.poll() is None for p in processes):
-        row = admin.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (name,)
-        ).fetchone()
-        peak = max(peak, int(row[0]))
-        time.sleep(0.05)
+    peak = peak_sessions(admin, name, processes)
     assert [p.wait(timeout=120) for p in processes] == [0] * 24
     for key, count in groups.items():
         counter, log = files[key]

@@ -5,6 +5,8 @@ skip (a failure under ``DLOCK_REQUIRE_ALL=1``)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from typing import Any
 
 from tests.support import unavailable
@@ -88,3 +90,17 @@ def redis_client(url: str) -> Any:
         client.close()
         unavailable(f"Redis is not reachable at {url}: {exc}")
     return client
+
+
+def peak_sessions(admin: Any, application_name: str, processes: list[subprocess.Popen[Any]]) -> int:
+    """The most server sessions named ``application_name`` seen at once while any of
+    ``processes`` runs (sampled every 50 ms): what a pooler lets through to the server."""
+    peak = 0
+    while any(process.poll() is None for process in processes):
+        row = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+        peak = max(peak, int(row[0]))
+        time.sleep(0.05)
+    return peak

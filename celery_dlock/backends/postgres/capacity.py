@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 
 from celery_dlock.backends.base import Check
+from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.config import Config
 
 __all__ = ["HEADROOM", "connections"]
@@ -18,15 +19,9 @@ __all__ = ["HEADROOM", "connections"]
 HEADROOM = 0.1
 
 
-def _one(conn: psycopg.Connection[Any], statement: str) -> Any:
-    row = conn.execute(statement).fetchone()
-    assert row is not None
-    return row
-
-
 def connections(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Check:
     held = config.statements.keys.held(select="DISTINCT p.pid ")
-    limit, reserved, used, locks, waiters, holding = _one(
+    limit, reserved, used, locks, waiters, holding = rows.only(
         conn,
         "-- connections: | max_connections, reserved, client sessions, celery_dlock lock "
         "and waiter sessions (any schema), sessions holding leases of this schema\n"
@@ -64,7 +59,7 @@ def _scarce_limits(conn: psycopg.Connection[Any]) -> list[str]:
     """The role's and the database's ``CONNECTION LIMIT`` with less than :data:`HEADROOM`
     of it free: the server refuses this role's next session there, whatever
     ``max_connections`` leaves (a superuser is held to neither)."""
-    role, role_used, database, database_used = _one(
+    role, role_used, database, database_used = rows.only(
         conn,
         "-- connection limits: | the role's CONNECTION LIMIT (-1: none) and its sessions, "
         "the database's and its sessions\n"

@@ -38,6 +38,7 @@ import psycopg
 from psycopg.pq import DiagnosticField, ExecStatus
 
 from celery_dlock.backends.base import Check
+from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.capacity import connections
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.functions import functions
@@ -119,14 +120,8 @@ def _connect(config: Config, *, autocommit: bool = True) -> psycopg.Connection[A
         raise translate(exc, "connecting (doctor)", config.url) from exc
 
 
-def _one(conn: psycopg.Connection[Any], statement: str, params: Any = None) -> Any:
-    row = conn.execute(statement, params).fetchone()
-    assert row is not None
-    return row
-
-
 def _version(conn: psycopg.Connection[Any]) -> Check:
-    number, text = _one(
+    number, text = rows.only(
         conn,
         "-- version: | server_version_num, server_version\n"
         "SELECT current_setting('server_version_num')::int, current_setting('server_version')",
@@ -200,7 +195,7 @@ def _fit_schema(conn: psycopg.Connection[Any], statements: Statements) -> str:
 def _role_may_write(conn: psycopg.Connection[Any], names: Names) -> str:
     """The role, once it is known to write leases here: not a standby, not read-only, and
     allowed to use the schema."""
-    role, usable, standby, read_only = _one(
+    role, usable, standby, read_only = rows.only(
         conn,
         "-- usage: schema | the role, whether it may use the schema (true when it is "
         "missing), whether the server is a standby, whether transactions are read-only\n"
@@ -235,7 +230,7 @@ def _relations(conn: psycopg.Connection[Any], names: Names) -> dict[str, int]:
         for table, index, key in _RELATION.findall(statement):
             relations.append(table or f'"{names.schema}".{index or key}')
             kinds["tables and sequences" if table else "indexes"] += 1
-    missing = _one(
+    missing = rows.only(
         conn,
         "-- missing: relation names | those that do not exist\n"
         "SELECT array(SELECT name FROM unnest(%s::text[]) AS name "
@@ -372,7 +367,7 @@ def _pid(conn: psycopg.Connection[Any]) -> int | None:
     timer = threading.Timer(POOL_WAIT, conn.cancel_safe)
     timer.start()
     try:
-        return int(_one(conn, "-- pid: | backend pid\nSELECT pg_backend_pid()")[0])
+        return int(rows.only(conn, "-- pid: | backend pid\nSELECT pg_backend_pid()")[0])
     except psycopg.errors.QueryCanceled:
         return None
     finally:
@@ -385,7 +380,9 @@ def _pooler(conn: psycopg.Connection[Any], config: Config, liveness: str) -> Che
         other_pid = _pid(other)  # its transaction stays open while we look again
         second = _pid(conn) if other_pid not in (first, None) else first
         other.rollback()
-    port = _one(conn, "-- port: | the server's port (NULL on a socket)\nSELECT inet_server_port()")
+    port = rows.only(
+        conn, "-- port: | the server's port (NULL on a socket)\nSELECT inet_server_port()"
+    )
     between = port[0] is not None and port[0] != conn.info.port
     ports = f"connected to port {conn.info.port}, the server listens on {port[0]}"
     if first is None or other_pid is None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import psycopg
 from psycopg.types.numeric import Int8
 
 from celery_dlock.backends.common import taken_over
@@ -16,6 +17,7 @@ from celery_dlock.records import DETAILS_LIMIT, Holder, Lease, Outcome, Record, 
 __all__ = [
     "SessionEndedHolder",
     "lease",
+    "only",
     "record",
     "record_params",
     "result_json",
@@ -125,3 +127,10 @@ def record_params(record: Record, holder_json: str) -> dict[str, Any]:
         "details": text(record.details, DETAILS_LIMIT),
         "result": result,
     }
+
+
+def only(conn: psycopg.Connection[Any], statement: str, params: Any = None) -> Any:
+    """The one row of ``statement`` (a query that always returns one: the doctor's)."""
+    row = conn.execute(statement, params).fetchone()
+    assert row is not None
+    return row

@@ -343,7 +343,7 @@ class RedisBackend(LockBackend):
         result_key = self._layout.result(key, task_name)
         # The call's nonce, left in a mark: a retry of a run whose reply was lost finds the
         # success gone and its own nonce, not a forget by someone else (the client retries).
-        keys = [result_key, _forget_mark(result_key)]
+        keys = [result_key, self._layout.forget_mark(key, task_name)]
         args = [token, new_token(), FORGET_MARK_MS]
         return bool(self._client.eval(FORGET, keys, args, operation="forget", key=key))
 
@@ -442,11 +442,3 @@ class RedisBackend(LockBackend):
 
     def close(self) -> None:
         self._client.close()
-
-
-def _forget_mark(result_key: bytes) -> bytes:
-    """The name of the mark a forget leaves beside ``result_key``: ``{tag}:forgotten:...``
-    for ``{tag}:success:...``, the same hash tag (so the same cluster slot); the tag is
-    up to the first ``}:`` (a prefix holds no braces)."""
-    tag = result_key[: result_key.index(b"}:") + 2]
-    return tag + b"forgotten:" + result_key[len(tag) + len(b"success:") :]

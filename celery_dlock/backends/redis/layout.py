@@ -145,6 +145,12 @@ class Layout:
         raw = key.encode("utf-8", "surrogatepass")
         return self._tags[self.bucket(key)] + b"success:%d:" % len(task) + task + b":" + raw
 
+    def forget_mark(self, key: str, task_name: str) -> bytes:
+        """What a forget of ``task_name``'s result on ``key`` leaves for its retries: in the
+        result's slot (its hash tag), its name after ``forgotten:``."""
+        tag = self._tags[self.bucket(key)]
+        return tag + b"forgotten:" + self.result(key, task_name)[len(tag) + len(b"success:") :]
+
     def index(self, bucket: int) -> bytes:
         return self._tags[bucket] + b"index"
 
