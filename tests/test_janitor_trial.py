@@ -24,10 +24,11 @@ from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.reap import janitor_key, reap
-from celery_dlock.records import Lease, Record
+from celery_dlock.records import Record
 from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
 from tests.support import force_release
+from tests.support.expiry import expired_leases
 from tests.support.holders import kill, spawn_holder
 from tests.support.services import postgres_admin
 
@@ -81,14 +82,6 @@ def released(backend: LockBackend, key: str, outcome: Outcome = Outcome.SUCCEEDE
     record = backend.release(lease, outcome)
     assert record is not None
     return record
-
-
-def expired_leases(backend: LockBackend, keys: list[str]) -> list[Lease]:
-    """Leases on ``keys`` whose ttl has run out (their holder, this process, lives on)."""
-    leases = [backend.try_acquire(key, Holder.current(), TTL) for key in keys]
-    assert all(lease is not None for lease in leases)
-    time.sleep(TTL + 0.3)
-    return [lease for lease in leases if lease is not None]
 
 
 def outcomes(backend: LockBackend, key: str) -> list[Outcome]:
@@ -239,7 +232,7 @@ def test_a_release_racing_the_janitor_records_each_lease_once(case: StoreCase) -
     janitor's ``expired``."""
     backend, other = case.backend, case.second()
     keys = [f"job:race:{n}" for n in range(6)]
-    leases = expired_leases(backend, keys)
+    leases = expired_leases(backend, keys, TTL)
     start = threading.Barrier(2)
     answers: dict[str, Record | None] = {}
     cleared: list[Record] = []
@@ -276,7 +269,7 @@ def test_a_second_janitor_during_a_run_does_nothing(case: StoreCase) -> None:
     janitor's lock clears nothing and says it skipped; the first clears every dead lease,
     each recorded once."""
     backend, other = case.backend, case.second()
-    leases = expired_leases(backend, [f"job:dup:{n}" for n in range(3)])
+    leases = expired_leases(backend, [f"job:dup:{n}" for n in range(3)], TTL)
     seconds: list[dict[str, int]] = []
 
     def second_janitor(_: Record) -> None:
@@ -298,7 +291,7 @@ def test_the_janitor_losing_its_own_lock_mid_run_still_clears_and_counts(
     """An operator force-releases the janitor's lock mid-run: the run finishes its work,
     its counts are right, and the next run is not skipped."""
     backend, other = case.backend, case.second()
-    leases = expired_leases(backend, [f"job:lost:{n}" for n in range(3)])
+    leases = expired_leases(backend, [f"job:lost:{n}" for n in range(3)], TTL)
     forced: list[Record | None] = []
 
     def operator(_: Record) -> None:
@@ -446,7 +439,7 @@ def test_cli_reap_json_says_what_it_cleared_and_pruned(tmp_path: Path) -> None:
 def test_reap_clears_no_more_than_its_limit_across_batches(case: StoreCase) -> None:
     """``limit``: the total a run may clear, whatever the batch (the CLI's ``--limit``)."""
     backend = case.backend
-    expired_leases(backend, [f"job:cap:{n}" for n in range(7)])
+    expired_leases(backend, [f"job:cap:{n}" for n in range(7)], TTL)
     assert reap(backend, batch=3, limit=5)["reaped"] == 5
     assert reap(backend, batch=3, limit=5)["reaped"] == 2
 

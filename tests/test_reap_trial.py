@@ -19,6 +19,7 @@ from celery_dlock.reap import reap
 from celery_dlock.records import Lease, Record
 from tests.backends.storecase import StoreCase
 from tests.support import eventually
+from tests.support.expiry import expired_leases
 
 # ``case`` is the first trial's fixture: the tests name it as a parameter (F811).
 from tests.test_janitor_trial import case, stores  # noqa: F401
@@ -26,18 +27,6 @@ from tests.test_janitor_trial import case, stores  # noqa: F401
 #: Every store, each on the real clock (``reap`` takes its retention from ``time.time``).
 ALL = ["file", "gcs", "memory", "postgres", "redis", "s3"]
 TTL = 0.4
-
-
-def expired_leases(backend: LockBackend, keys: list[str]) -> list[Lease]:
-    """Leases on ``keys`` whose ttl has run out (their holder, this process, lives on)."""
-    granted = [backend.try_acquire(key, Holder.current(), TTL) for key in keys]
-    leases = [lease for lease in granted if lease is not None]
-    assert len(leases) == len(keys)
-    # Until the newest expiry as the store stated it: an object store sets it from the
-    # upper bound of its clock (whole seconds of a Date header), later than ours + TTL.
-    last = max(lease.expires_at or 0.0 for lease in leases)
-    time.sleep(max(TTL, min(last - time.time(), 5.0)) + 0.3)
-    return leases
 
 
 def released(backend: LockBackend, key: str) -> Record:
@@ -75,7 +64,7 @@ def test_a_renewal_racing_the_janitor_never_revives_an_expired_lease(case: Store
     """Holders renew leases whose ttl ran out while a janitor clears them one per batch:
     no renewal succeeds, each lease ends exactly once as ``expired`` and no key is held."""
     backend, other = case.backend, case.second()
-    leases = expired_leases(backend, [f"job:renew-race:{n}" for n in range(6)])
+    leases = expired_leases(backend, [f"job:renew-race:{n}" for n in range(6)], TTL)
     renewed: dict[str, Lease | None] = {}
     cleared: list[Record] = []
 
@@ -103,14 +92,14 @@ def test_the_record_of_an_expired_lease_is_that_lease(case: StoreCase) -> None:
     after its expiry."""
     backend = case.backend
     key = "job:fields:ünï/🔒 {x}"
-    (lease,) = expired_leases(backend, [key])
+    (lease,) = expired_leases(backend, [key], TTL)
     cleared: list[Record] = []
     assert reap(backend, cleared=cleared.append)["expired"] == 1
     (record,) = cleared
-    (stored,) = backend.history(key=key, limit=None)
+    (stored,) = backend.history(key=lease.key, limit=None)
     for found in (record, stored):
         assert found.outcome is Outcome.EXPIRED and found.problem == "expired"
-        assert found.lease.key == key and found.key == key
+        assert found.lease.key == lease.key and found.key == lease.key
         assert (found.lease.token, found.fence) == (lease.token, lease.fence)
         assert found.lease.holder == lease.holder
         assert found.lease.acquired_at == pytest.approx(lease.acquired_at, abs=1e-3)
@@ -184,7 +173,7 @@ def test_two_beat_janitors_at_once_record_each_dead_lease_once(case: StoreCase) 
     the janitor's lock) start together on their own clients, small batches: between them
     and the next run every dead lease is cleared and recorded once, and a live one stays."""
     backend, other = case.backend, case.second()
-    leases = expired_leases(backend, [f"job:twin:{n:02d}" for n in range(10)])
+    leases = expired_leases(backend, [f"job:twin:{n:02d}" for n in range(10)], TTL)
     live = backend.try_acquire("job:twin:live", Holder.current(), 60.0)
     assert live is not None
     found: list[dict[str, int]] = []

@@ -19,7 +19,7 @@ from celery import Celery
 from celery_dlock import Holder, Outcome, backend_from_url, install
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.reap import JANITOR_TASK, janitor_key, reap
-from celery_dlock.records import Lease
+from tests.support.expiry import expired_leases
 from tests.support.objectstore_servers import (  # noqa: F401 - fixtures
     Server,
     object_server,
@@ -69,14 +69,6 @@ def opened() -> Iterator[Opener]:
         backend.close()
 
 
-def dead_leases(backend: LockBackend, count: int) -> list[Lease]:
-    """``count`` leases whose time ran out (as a holder paused or killed past its ttl)."""
-    leases = [backend.try_acquire(f"job:dead:{n}", Holder.current(), TTL) for n in range(count)]
-    assert all(lease is not None for lease in leases)
-    time.sleep(TTL + 0.3)
-    return [lease for lease in leases if lease is not None]
-
-
 def janitor_records(backend: LockBackend) -> list[Outcome]:
     return [record.outcome for record in backend.history(key=janitor_key("job"), limit=None)]
 
@@ -95,7 +87,7 @@ def test_idle_runs_within_the_hour_leave_no_record(url: str, opened: Opener) -> 
 def test_a_run_that_clears_is_recorded_within_the_hour_too(url: str, opened: Opener) -> None:
     backend = opened(url)
     reap(backend, quiet_for=3600)
-    dead = dead_leases(backend, 3)
+    dead = expired_leases(backend, [f"job:dead:{n}" for n in range(3)], TTL)
     counts = reap(backend, batch=2, quiet_for=3600)  # the first batch unlocked, then locked
     assert (counts["reaped"], counts["expired"], counts["quiet"]) == (3, 3, 0)
     [latest, _] = backend.history(key=janitor_key("job"), limit=None)
@@ -132,7 +124,7 @@ def janitors_at_once(url: str, opened: Opener, dead: int, batch: int) -> None:
     expired leases at once: each lease is cleared and recorded once, none is left."""
     backend = opened(url)
     reap(backend, quiet_for=3600)
-    leases = dead_leases(backend, dead)
+    leases = expired_leases(backend, [f"job:dead:{n}" for n in range(dead)], TTL)
     start = threading.Barrier(4)
     results: list[dict[str, int]] = []
 
