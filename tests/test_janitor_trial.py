@@ -29,7 +29,7 @@ from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
 from tests.support import force_release
 from tests.support.expiry import expired_leases
-from tests.support.holders import kill, spawn_holder
+from tests.support.holders import gone, kill, spawn_holder
 from tests.support.services import postgres_admin
 
 #: The stores of the trial; the first two on the real clock (the suite's own cases of them
@@ -174,6 +174,7 @@ def test_killed_holders_are_recorded_disconnected_once_and_live_ones_stay(
     assert live is not None and timed is not None
     for process, _ in spawned:
         kill(process)
+    gone(backend, [lease for _, lease in spawned])
     cleared: list[Record] = []
     counts = reap(backend, batch=1, max_batches=10, cleared=cleared.append)
     assert (counts["reaped"], counts["disconnected"], counts["expired"]) == (3, 3, 0)

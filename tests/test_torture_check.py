@@ -20,7 +20,7 @@ from bench.torture.check import (
     wrong_record,
 )
 from bench.torture.ledger import open_ledger
-from bench.torture.run import check_disk
+from bench.torture.run import check_disk, check_faults
 from bench.torture.servers import FileStore, disk_mib
 from celery_dlock import Holder, Lease, Lock, backend_from_url
 from tests.support import unavailable
@@ -229,3 +229,20 @@ def test_a_worker_killed_at_the_stop_is_no_fault_asked_for(tmp_path: Path) -> No
     sections = load_sections(tmp_path, events, report)
     assert report.kills == 1
     assert sorted((s.fence, s.killed, s.end) for s in sections) == [(1, True, 2.0), (2, True, 4.0)]
+
+
+def test_a_run_that_did_fewer_faults_than_planned_fails() -> None:
+    # Before: kills the run ended before were left out silently, and a run asked for 4
+    # that did 2 reported "0 violations" as if it had survived 4.
+    plan = [(0.5, "kill"), (1.0, "pause"), (1.5, "kill"), (2.0, "kill"), (2.5, "kill")]
+    report = Report("file")
+    check_faults(plan, {"kill": 2, "pause": 1}, ["kill: RuntimeError('no worker')"], report)
+    assert report.violations == 2
+    assert report.problems == [
+        "chaos: kill: RuntimeError('no worker')",
+        "chaos: 2 of 4 kills done, 1 failed: the run ended before the rest (a longer "
+        "--seconds, or fewer faults)",
+    ]
+    every = Report("file")
+    check_faults(plan, {"kill": 4, "pause": 1}, [], every)
+    assert (every.violations, every.problems) == (0, [])

@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from celery_dlock.backends.base import LockBackend
 from celery_dlock.records import Lease
+from tests.support import eventually
 
 HOLD = Path(__file__).parent / "hold.py"
 
@@ -37,3 +39,15 @@ def kill(process: subprocess.Popen[str]) -> None:
     process.wait()
     if process.stdout is not None:
         process.stdout.close()
+
+
+def gone(backend: LockBackend, leases: list[Lease]) -> None:
+    """Wait until the store finds the holder of each of ``leases`` gone. A killed holder's
+    Postgres lock session ends when its server process has seen the connection close and
+    exited, a little after the kill on a loaded machine; until then it is alive."""
+
+    def judged() -> bool:
+        found = [backend.get(lease.key) for lease in leases]
+        return all(lease is not None and lease.holder.gone_because() for lease in found)
+
+    eventually(judged, "the store finds the killed holders gone")
