@@ -41,6 +41,20 @@ from tests.support import unavailable
 STORE = "memory://celery-tests"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test of a prefork worker shows the end of that worker's log: what it was
+    doing (a module's worker outlives the test, and its log is gone with the run)."""
+    outcome: Any = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, Worker) and value.log.exists():
+            tail = value.log.read_text(errors="replace")[-8000:]
+            report.sections.append((f"worker log {value.log} (its end)", tail))
+
+
 @pytest.fixture(scope="session")
 def celery_config() -> dict[str, Any]:
     return {
