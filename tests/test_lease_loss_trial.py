@@ -391,6 +391,8 @@ class FreezingProxy:
         self.flowing = threading.Event()
         self.flowing.set()
         self.sockets: list[socket.socket] = []
+        self.mutex = threading.Lock()
+        self.closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -399,8 +401,19 @@ class FreezingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(self.target)
-            self.sockets += [client, server]
+            try:
+                server = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                return
+            with self.mutex:  # a connection accepted as the proxy closes is closed too
+                late = self.closed
+                if not late:
+                    self.sockets += [client, server]
+            if late:
+                client.close()
+                server.close()
+                return
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
@@ -418,6 +431,8 @@ class FreezingProxy:
     def close(self) -> None:
         self.flowing.set()
         self.listener.close()
+        with self.mutex:
+            self.closed = True
         for s in self.sockets:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
