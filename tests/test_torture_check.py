@@ -5,6 +5,7 @@ reports; and the run's check that the file store's disk did not stay full."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,10 @@ from bench.torture.check import (
     wrong_record,
 )
 from bench.torture.ledger import open_ledger
-from bench.torture.run import check_disk, check_faults
+from bench.torture.run import check_disk, check_faults, settle
 from bench.torture.servers import FileStore, disk_mib
 from celery_dlock import Holder, Lease, Lock, backend_from_url
+from tests.backends.conftest import STORES
 from tests.support import unavailable
 
 KEY = "torture:k:0"
@@ -246,3 +248,32 @@ def test_a_run_that_did_fewer_faults_than_planned_fails() -> None:
     every = Report("file")
     check_faults(plan, {"kill": 4, "pause": 1}, [], every)
     assert (every.violations, every.problems) == (0, [])
+
+
+class _ListedLate:
+    """A store whose ``leases`` is called only once ``expiry`` (wall clock) has passed: a
+    lease's time running out between ``settle``'s reap and its listing, made certain."""
+
+    def __init__(self, backend: Any, expiry: float) -> None:
+        self.backend, self.expiry = backend, expiry
+
+    def reap(self, limit: int) -> list[Any]:
+        return list(self.backend.reap(limit=limit))
+
+    def leases(self, prefix: str) -> list[Lease]:
+        time.sleep(max(0.0, self.expiry - time.time()) + 0.1)
+        return list(self.backend.leases(prefix))
+
+
+def test_settle_records_a_lease_whose_time_ran_out_after_its_reap(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    # Before: settle reaped (the lease alive), listed nothing (Redis had dropped the expired
+    # lock in between) and stopped: the lease was never recorded, and the checker reported
+    # its killed holder's record missing (a CI run of the --limit torture test on Redis).
+    with STORES["redis"].open_store(tmp_path, request) as case:
+        lease = case.backend.try_acquire("torture:k:0#0", Holder.current(), 0.5)
+        assert lease is not None and lease.expires_at is not None
+        assert settle(_ListedLate(case.backend, lease.expires_at), "torture:", 10.0) == 0
+        [record] = case.backend.history(key=lease.key, limit=None)
+        assert (record.lease.token, str(record.outcome)) == (lease.token, "expired")

@@ -115,7 +115,13 @@ def settle(backend: LockBackend, prefix: str, timeout: float) -> int:
         with contextlib.suppress(BackendError):  # the store may still be coming back
             backend.reap(limit=1000)
             left = len(backend.leases(prefix))
-            if left == 0 or time.monotonic() > deadline:
+            if left == 0:
+                # A lease whose time ran out since that reap is listed no more (Redis drops
+                # an expired lock at once and keeps its state for the janitor), yet still
+                # to be recorded: one reap more.
+                backend.reap(limit=1000)
+                return 0
+            if time.monotonic() > deadline:
                 return left
         if time.monotonic() > deadline:
             return -1
