@@ -189,6 +189,17 @@ def test_a_release_that_read_the_success_before_forget_does_not_carry_it_back(
     other.close()
 
 
+def forgotten_and_kept_anew(
+    other: LockBackend, key: str, first: Record, newer: list[Record]
+) -> None:
+    """Another operator forgets ``first`` and a new run keeps its own success; ``newer``
+    gets the old record (first: the patched reads of these calls then pass through) and
+    the new one."""
+    newer.append(first)
+    assert other.forget_success(key, TASK, first.lease.token) is True
+    newer.append(succeed(other, key, {"charged": 2}))
+
+
 def test_a_new_success_kept_between_another_forget_and_this_one_stays(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -207,9 +218,7 @@ def test_a_new_success_kept_between_another_forget_and_this_one_stays(
     def stale_read(path: str) -> Record | None:
         found = read(path)
         if not newer:  # the other operator and the new run come in after this read
-            newer.append(first)
-            assert other.forget_success(key, TASK, first.lease.token) is True
-            newer.append(succeed(other, key, {"charged": 2}))
+            forgotten_and_kept_anew(other, key, first, newer)
         return found
 
     monkeypatch.setattr(file_history, "read_success", stale_read)
@@ -236,9 +245,7 @@ def test_a_new_success_kept_after_another_forget_stays_on_object_stores(
     def stale_read(name: str) -> Any:
         found = read(name)
         if "/success/" in f"/{name}" and not newer:
-            newer.append(first)
-            assert other.forget_success(key, TASK, first.lease.token) is True
-            newer.append(succeed(other, key, {"charged": 2}))
+            forgotten_and_kept_anew(other, key, first, newer)
         return found
 
     monkeypatch.setattr(objects, "read", stale_read)

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from celery_dlock import BackendError, LockBackend, backend_from_url
@@ -196,14 +197,12 @@ def check_faults(
     than there was."""
     for error in errors:
         report.fail(f"chaos: {error}")
-    planned: dict[str, int] = {}
-    for _, what in plan:
-        planned[what] = planned.get(what, 0) + 1
+    planned = Counter(what for _, what in plan)
     for what, count in sorted(planned.items()):
-        failed = sum(error.startswith(f"{what}: ") for error in errors)
-        if done.get(what, 0) + failed < count:
+        did, failed = done.get(what, 0), sum(error.startswith(f"{what}: ") for error in errors)
+        if did + failed < count:
             report.fail(
-                f"chaos: {done.get(what, 0)} of {count} {what}s done, {failed} failed: the run "
+                f"chaos: {did} of {count} {what}s done, {failed} failed: the run "
                 "ended before the rest (a longer --seconds, or fewer faults)"
             )
 

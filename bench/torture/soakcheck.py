@@ -16,19 +16,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from celery_dlock import BackendError, LockBackend, backend_from_url
+from celery_dlock import LockBackend, backend_from_url
 
 from .check import Findings, json_lines
 from .ledger import Ledger
+from .run import settle
 
 __all__ = ["SoakReport", "check", "table"]
 
@@ -161,21 +160,6 @@ def check_overlaps(bodies: list[Body], report: SoakReport) -> None:
             )
 
 
-def settle(backend: LockBackend, prefix: str, timeout: float = 30.0) -> int:
-    """Reap until no lease under ``prefix`` is left; how many are left at the end."""
-    deadline = time.monotonic() + timeout
-    left = -1
-    while time.monotonic() < deadline:
-        with contextlib.suppress(BackendError):
-            backend.reap(limit=1000)
-            left = len(backend.leases(prefix))
-            if left == 0:
-                backend.reap(limit=1000)  # one that expired since: see run.settle
-                return 0
-        time.sleep(0.2)
-    return left
-
-
 def check_history(
     bodies: list[Body], kills: list[dict[str, Any]], backend: LockBackend, report: SoakReport
 ) -> None:
@@ -238,7 +222,7 @@ def check(
     check_overlaps(bodies, report)
     backend = backend_from_url(store_url)
     try:
-        left = settle(backend, f"{namespace}:")
+        left = settle(backend, f"{namespace}:", 30.0)
         if left:
             report.fail(f"{left} leases still held (or the store unreachable) after the run")
         check_history(bodies, kills, backend, report)
