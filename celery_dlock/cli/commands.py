@@ -217,7 +217,8 @@ def _records_of(
 
 
 @click.command()
-@click.option("--key", help="Only this key (in full, as `leases` shows it).")
+@click.argument("given", metavar="[KEY]", required=False)
+@click.option("--key", help="Only this key (in full, as `leases` shows it); or give it as KEY.")
 @click.option("--outcome", type=click.Choice([o.value for o in Outcome]), help="Only this outcome.")
 @click.option(
     "--problems",
@@ -233,6 +234,7 @@ def _records_of(
 @guarded
 def history(
     env: Env,
+    given: str | None,
     *,
     key: str | None,
     outcome: str | None,
@@ -245,9 +247,12 @@ def history(
     """Show released leases, newest first.
 
     Columns: released (local time), key, outcome, problem, fence, holder, duration held.
-    A --key with no records of its own that was taken with a limit shows its slots' records
-    (KEY#0, KEY#1, ...), and says so.
+    KEY (or --key) with no records of its own that was taken with a limit shows its slots'
+    records (KEY#0, KEY#1, ...), and says so.
     """
+    if given is not None and key is not None and given != key:
+        raise UsageFailure(f"two keys given, {given!r} and --key {key!r}: give one")
+    key = given if key is None else key
     if key is not None:
         validate_key(key)
     kind = None if outcome is None else Outcome(outcome)
