@@ -70,6 +70,10 @@ class Section:
     read: int | None = None
     accepted: bool | None = None  # as logged; None if the worker died first
     release: str | None = None  # ok, lost, error; None if the worker died first
+    #: When the release returned (its record acknowledged); None in logs from before it
+    #: was logged. Later than ``end`` by as long as the release waited: a cut-off holder's
+    #: until the network healed.
+    released: float | None = None
     killed: bool = False  # its worker was killed before it logged the release's result
     landed: bool = False  # its write is in the ledger's journal
 
@@ -166,7 +170,8 @@ def load_sections(directory: Path, events: list[dict[str, Any]], report: Report)
                 section.end, section.read = entry["t"], entry["read"]
                 section.accepted, section.ended = entry["accepted"], True
             elif kind == "rel":
-                mine[entry["token"]].release = entry["release"]
+                section = mine[entry["token"]]
+                section.release, section.released = entry["release"], entry.get("t")
             elif kind == "busy":
                 report.busy += 1
             elif kind == "store_error":
@@ -354,7 +359,8 @@ def _excuse(section: Section, restarts: list[dict[str, Any]]) -> dict[str, Any] 
             continue
         if restart["kind"] == "wiped" or not _acknowledged(section):
             return restart
-        if restart["t"] - section.end < CRASH_WINDOW:
+        # Asynchronous commit: what the store acknowledged shortly before the crash.
+        if restart["t"] - CRASH_WINDOW < _acknowledged_at(section) <= restart["t_end"]:
             return restart
     return None
 
@@ -363,9 +369,23 @@ def _acknowledged(section: Section) -> bool:
     return section.release in ("ok", "lost")
 
 
+def _acknowledged_at(section: Section) -> float:
+    """When the store acknowledged the release of an acknowledged section (its end, in
+    logs that do not say)."""
+    return section.end if section.released is None else section.released
+
+
 #: What may be recorded of a lease whose holder was killed inside its section, or whose
 #: release found it gone (the holder's own record is then ``lost``).
 KILLED = {"disconnected", "expired", "lost"}
+
+
+def _lost_record_lost(section: Section, found: list[str]) -> bool:
+    """Whether only the holder's own ``lost`` record of a release that found its lease gone
+    is missing: the store recorded the lease when it freed it (``disconnected``, ``expired``)
+    and a crash lost the ``lost`` record written after (a cut-off holder's release, once
+    the network healed just before a Postgres ``-m immediate``: 2026-11-28)."""
+    return section.release == "lost" and "lost" not in found and set(found) <= KILLED
 
 
 def wrong_record(section: Section, found: list[str]) -> str | None:
@@ -414,13 +434,12 @@ def check_history(
                 excuse = _excuse(section, restarts)
                 if excuse is not None and excuse["kind"] == "failover":
                     report.excused_records += 1  # a release the failover undid: expired
+                elif excuse is not None and _lost_record_lost(section, found):
+                    _excused(report, excuse, section)
                 else:
                     report.fail(wrong)
             elif (excuse := _excuse(section, restarts)) is not None:
-                report.excused_records += 1
-                if excuse["kind"] == "immediate" and _acknowledged(section):
-                    loss = excuse["t"] - section.end
-                    report.crash_loss = max(report.crash_loss, loss)
+                _excused(report, excuse, section)
             else:
                 report.lost_records += 1
                 what = "killed holder" if section.killed else f"{section.release} release"
@@ -428,6 +447,15 @@ def check_history(
     report.killed_outcomes = dict(sorted(outcomes.items()))
     report.cut_releases = dict(sorted(releases.items()))
     report.cut_outcomes = dict(sorted(cut_outcomes.items()))
+
+
+def _excused(report: Report, excuse: dict[str, Any], section: Section) -> None:
+    """Count a record of ``section`` that ``excuse`` lost, and how long before a crash the
+    store had acknowledged it."""
+    report.excused_records += 1
+    if excuse["kind"] == "immediate" and _acknowledged(section):
+        loss = excuse["t"] - _acknowledged_at(section)
+        report.crash_loss = max(report.crash_loss, loss)
 
 
 def check(directory: Path, store: str, backend: LockBackend, ledger: Ledger) -> Report:

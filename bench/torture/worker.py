@@ -11,8 +11,8 @@ a SIGKILL leaves whole lines (each lease of a set its own):
 - ``{"e": "start", "pid", "asyncio"}`` first;
 - ``{"e": "begin", "key", "token", "fence", "t"}`` once the lease is held;
 - ``{"e": "end", "token", "read", "accepted", "t"}`` just before the release;
-- ``{"e": "rel", "token", "release"}`` after it: ``ok``, ``lost`` (the release found the lease
-  gone) or ``error`` (the store failed);
+- ``{"e": "rel", "token", "release", "t"}`` after it: ``ok``, ``lost`` (the release found the
+  lease gone; its ``lost`` record is written when it returns) or ``error`` (the store failed);
 - ``{"e": "busy"}`` after ``wait`` ran out, ``{"e": "store_error", "where"}`` when the store
   failed (the worker pauses and goes on), ``{"e": "ledger_error"}`` when the ledger's server
   did (``read`` or ``accepted`` of the ``end`` line is then null).
@@ -137,7 +137,7 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log
             release = "ok" if one.release() is not None else "lost"
         except BackendError:
             release = "error"
-        log(e="rel", token=lease.token, release=release)
+        log(e="rel", token=lease.token, release=release, t=time.monotonic())
 
 
 async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) -> None:
@@ -157,7 +157,7 @@ async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str
         release = "ok" if await lock.release() is not None else "lost"
     except BackendError:
         release = "error"
-    log(e="rel", token=lease.token, release=release)
+    log(e="rel", token=lease.token, release=release, t=time.monotonic())
 
 
 def not_taken(exc: Exception, log: Log) -> None:
