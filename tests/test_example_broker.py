@@ -20,7 +20,15 @@ from worker_example.broker import SCHEME  # noqa: E402
 def torn_reads_while_putting(scheme: str, folder: Path, messages: int = 300) -> int:
     """Put ``messages`` of 256 KiB through a real kombu connection while a reader reads every
     message file it lists; how many it found empty or cut short (not JSON)."""
-    options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+    # The exchange's bindings too (kombu writes them to ``control/`` of the working
+    # directory by default: a run from the checkout left ``control/q.exchange`` in it).
+    control = folder.parent / f"{folder.name}-control"
+    control.mkdir()
+    options = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(control),
+    }
     stop, torn = threading.Event(), [0]
 
     def read() -> None:
@@ -47,5 +55,12 @@ def torn_reads_while_putting(scheme: str, folder: Path, messages: int = 300) -> 
     return torn[0]
 
 
-def test_a_message_file_is_never_seen_empty_or_cut_short(tmp_path: Path) -> None:
-    assert torn_reads_while_putting(SCHEME, tmp_path) == 0
+def test_a_message_file_is_never_seen_empty_or_cut_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    (tmp_path / "queue").mkdir()
+    assert torn_reads_while_putting(SCHEME, tmp_path / "queue") == 0
+    assert list(here.iterdir()) == []  # nothing written where the tests run
