@@ -7,7 +7,7 @@ Usage::
     celery-dlock --backend postgresql://... doctor
     DLOCK_BACKEND=redis://cache:6379/1 celery-dlock release job:order:42 --reason "stuck"
 
-Commands (the same in both): ``leases [PREFIX]``, ``history``, ``release KEY``, ``forget KEY
+Commands (the same in both): ``leases [PREFIX]``, ``history [KEY]``, ``release KEY``, ``forget KEY
 --task NAME`` (what ``once`` keeps: see :mod:`celery_dlock.cli.forget`), ``reap``,
 ``migrate``, ``doctor``, ``timeline -o FILE.svg`` (a picture of the leases: see
 :mod:`celery_dlock.cli.timeline`), each of which takes ``--json``; ``run KEY -- COMMAND`` (a
