@@ -4,6 +4,7 @@ that no other test directory uses."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +72,13 @@ def _run(
         timeout=COMMAND_TIMEOUT,
         check=False,
     )
+
+
+def history_keys(store: CliStore, *args: str) -> list[tuple[str, str]]:
+    """``history --json ARGS`` on ``store``: each record's key and outcome, newest first."""
+    result = run_cli("--backend", store.url, "history", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    return [(entry["key"], entry["outcome"]) for entry in json.loads(result.stdout)["records"]]
 
 
 def popen_cli(*args: str) -> subprocess.Popen[bytes]:

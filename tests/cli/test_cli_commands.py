@@ -22,6 +22,7 @@ from tests.cli.clitools import (
     COMMAND_TIMEOUT,
     CliStore,
     environment,
+    history_keys,
     popen_cli,
     run_celery,
     run_cli,
@@ -119,11 +120,6 @@ def test_celery_backend_option_overrides_the_apps_setting(
 # -- history ----------------------------------------------------------------------------------
 
 
-def _history_keys(store: CliStore, *args: str) -> list[tuple[str, str]]:
-    data = output_json(run_cli("--backend", store.url, "history", "--json", *args))
-    return [(entry["key"], entry["outcome"]) for entry in data["records"]]
-
-
 def test_history_filters_by_key_outcome_problems_and_since(store: CliStore) -> None:
     two_hours_ago = time.time() - 7200
     # The old record goes first: Redis orders its history by the time records arrive.
@@ -138,7 +134,7 @@ def test_history_filters_by_key_outcome_problems_and_since(store: CliStore) -> N
     ]:
         assert store.backend.release(hold(store, key), outcome, problem, f"{key} ended") is not None
 
-    assert _history_keys(store) == [
+    assert history_keys(store) == [
         ("job:e", "abandoned"),
         ("job:d", "disconnected"),
         ("job:c", "retried"),
@@ -146,21 +142,21 @@ def test_history_filters_by_key_outcome_problems_and_since(store: CliStore) -> N
         ("job:a", "succeeded"),
         ("job:a", "failed"),
     ]
-    assert _history_keys(store, "--key", "job:a") == [("job:a", "succeeded"), ("job:a", "failed")]
-    assert _history_keys(store, "--outcome", "failed") == [("job:b", "failed"), ("job:a", "failed")]
-    assert _history_keys(store, "--problems") == [
+    assert history_keys(store, "--key", "job:a") == [("job:a", "succeeded"), ("job:a", "failed")]
+    assert history_keys(store, "--outcome", "failed") == [("job:b", "failed"), ("job:a", "failed")]
+    assert history_keys(store, "--problems") == [
         ("job:e", "abandoned"),
         ("job:d", "disconnected"),
         ("job:b", "failed"),
         ("job:a", "failed"),
     ]
-    assert _history_keys(store, "--problems", "--limit", "2") == [
+    assert history_keys(store, "--problems", "--limit", "2") == [
         ("job:e", "abandoned"),
         ("job:d", "disconnected"),
     ]
-    assert ("job:a", "failed") not in _history_keys(store, "--since", "1h")
+    assert ("job:a", "failed") not in history_keys(store, "--since", "1h")
     an_hour_ago = datetime.fromtimestamp(time.time() - 3600).isoformat(timespec="seconds")
-    assert _history_keys(store, "--problems", "--since", an_hour_ago) == [
+    assert history_keys(store, "--problems", "--since", an_hour_ago) == [
         ("job:e", "abandoned"),
         ("job:d", "disconnected"),
         ("job:b", "failed"),

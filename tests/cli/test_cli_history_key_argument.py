@@ -4,16 +4,8 @@ first, failed with click's "Got unexpected extra argument". The key may now come
 
 from __future__ import annotations
 
-import json
-
 from celery_dlock import Lock, Outcome
-from tests.cli.clitools import CliStore, run_cli
-
-
-def _keys(store: CliStore, *args: str) -> list[tuple[str, str]]:
-    result = run_cli("--backend", store.url, "history", "--json", *args)
-    assert result.returncode == 0, result.stderr
-    return [(entry["key"], entry["outcome"]) for entry in json.loads(result.stdout)["records"]]
+from tests.cli.clitools import CliStore, history_keys, run_cli
 
 
 def test_history_takes_its_key_as_an_argument_as_it_does_as_key(store: CliStore) -> None:
@@ -21,9 +13,10 @@ def test_history_takes_its_key_as_an_argument_as_it_does_as_key(store: CliStore)
         lock = Lock(store.backend, key)
         lock.acquire()
         lock.release()
-    assert _keys(store, "job:order:42") == [("job:order:42", Outcome.SUCCEEDED.value)]
-    assert _keys(store, "job:order:42") == _keys(store, "--key", "job:order:42")
-    assert _keys(store, "job:order:42", "--key", "job:order:42") == _keys(store, "job:order:42")
+    alone = history_keys(store, "job:order:42")
+    assert alone == [("job:order:42", Outcome.SUCCEEDED.value)]
+    assert alone == history_keys(store, "--key", "job:order:42")
+    assert alone == history_keys(store, "job:order:42", "--key", "job:order:42")
     table = run_cli("--backend", store.url, "history", "job:order:41")
     assert table.returncode == 0, table.stderr
     assert [line.split()[2] for line in table.stdout.splitlines()[1:]] == ["job:order:41"]

@@ -53,11 +53,9 @@ def gone(backend: LockBackend, leases: list[Lease], timeout: float = 30.0) -> No
 
     def judged() -> bool:
         found = [backend.get(lease.key) for lease in leases]
-        return all(
-            lease is not None
-            and lease.holder.gone_because() is not None
-            and (not by_session or lease.holder.gone_because() == "lock session ended")
-            for lease in found
-        )
+        reasons = [None if lease is None else lease.holder.gone_because() for lease in found]
+        if by_session:
+            return all(reason == "lock session ended" for reason in reasons)
+        return all(reason is not None for reason in reasons)
 
     eventually(judged, "the store finds the killed holders gone", timeout)
