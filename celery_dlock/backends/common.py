@@ -5,12 +5,14 @@ takeover, the count of a dead lease taken over, and URL options."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
+from functools import partial
 from typing import Any, ClassVar, Generic, TypeVar
 from urllib.parse import parse_qsl
 
@@ -20,6 +22,7 @@ from celery_dlock.records import Holder, Lease, Outcome, Record
 
 __all__ = [
     "LoopLocal",
+    "LoopOwned",
     "ProcessLocal",
     "expired",
     "expiry",
@@ -97,27 +100,96 @@ class ProcessLocal(Generic[T]):
 os.register_at_fork(after_in_child=ProcessLocal._after_fork_in_child)
 
 
-class LoopLocal(Generic[T]):
+class LoopOwned:
+    """What a store makes for one event loop, its connections: closed by ``aclose`` when the
+    loop shuts down (its ``shutdown_asyncgens``, which ``asyncio.run`` calls), or, while the
+    loop runs on, when the store that made it is collected (``LoopLocal``)."""
+
+    _keeper: AsyncGenerator[None, None] | None = None
+
+    async def keep(self) -> None:
+        """Have ``aclose`` called at the loop's shutdown: once, before the first connection."""
+        if self._keeper is None:
+            self._keeper = self._kept()
+            await anext(self._keeper)
+
+    async def _kept(self) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close what is open: harmless again, and beside another call of it."""
+        raise NotImplementedError
+
+
+L = TypeVar("L", bound=LoopOwned)
+#: What each loop's stores made for it, kept by the loop (weakly keyed) as much as by its
+#: store: the garbage collector never tears down the connections of a live loop, which would
+#: finalize them (a ResourceWarning each) before their keeper could close them.
+_kept: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, set[LoopOwned]]
+_kept = weakref.WeakKeyDictionary()
+_kept_mutex = threading.Lock()
+_closing: set[asyncio.Task[None]] = set()  # the loop holds tasks only weakly
+
+
+def _new_kept_mutex() -> None:
+    global _kept_mutex
+    _kept_mutex = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_kept_mutex)
+
+
+class LoopLocal(Generic[L]):
     """An object made lazily once per running event loop, and per process: an asyncio
-    connection belongs to the loop that opened it (and a forked child makes its own)."""
+    connection belongs to the loop that opened it (and a forked child makes its own).
+    Collected with its store while a loop runs on, it has that loop's object closed by a
+    task of the loop."""
 
-    def __init__(self, factory: Callable[[], T]) -> None:
+    def __init__(self, factory: Callable[[], L]) -> None:
         self._factory = factory
-        self._made: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, T]]
+        self._made: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, L]]
         self._made = weakref.WeakKeyDictionary()
+        weakref.finalize(self, _close_soon, self._made).atexit = False
 
-    def get(self) -> T:
+    def get(self) -> L:
         """The running loop's object (made now if it has none)."""
         loop = asyncio.get_running_loop()
         found = self._made.get(loop)
         if found is None or found[0] != os.getpid():
-            found = self._made[loop] = (os.getpid(), self._factory())
+            value = self._factory()
+            with _kept_mutex:
+                _kept.setdefault(loop, set()).add(value)
+            found = self._made[loop] = (os.getpid(), value)
         return found[1]
 
-    def values(self) -> list[T]:
+    def values(self) -> list[L]:
         """The objects of this process's loops that are still alive."""
         pid = os.getpid()
         return [value for owner, value in list(self._made.values()) if owner == pid]
+
+
+def _close_soon(made: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, L]]) -> None:
+    """Have what a collected ``LoopLocal`` made closed, each by a task of its loop (from any
+    thread: the collector runs where it runs). A loop closed since runs nothing more."""
+    for loop, (owner, value) in list(made.items()):
+        if owner == os.getpid():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_close, loop, value)
+
+
+def _close(loop: asyncio.AbstractEventLoop, value: LoopOwned) -> None:
+    task = loop.create_task(value.aclose())
+    _closing.add(task)
+    task.add_done_callback(partial(_closed, loop, value))
+
+
+def _closed(loop: asyncio.AbstractEventLoop, value: LoopOwned, task: asyncio.Task[None]) -> None:
+    _closing.discard(task)
+    with _kept_mutex:
+        _kept.get(loop, set()).discard(value)
 
 
 def weakly(callback: Callable[[Lease], None]) -> Callable[[Lease], None]:

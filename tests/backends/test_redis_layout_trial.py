@@ -54,7 +54,7 @@ def close(backend: RedisBackend, loop: asyncio.AbstractEventLoop) -> None:
     if store is not None:
 
         async def close_loop() -> None:
-            await store._connections().close()
+            await store._connections().aclose()
 
         loop.run_until_complete(close_loop())
     backend.close()

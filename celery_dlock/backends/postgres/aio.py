@@ -22,13 +22,19 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import psycopg
 
 from celery_dlock.backends.base import Place, validate_ttl
-from celery_dlock.backends.common import LoopLocal, ProcessLocal, retried_details, weakly
+from celery_dlock.backends.common import (
+    LoopLocal,
+    LoopOwned,
+    ProcessLocal,
+    retried_details,
+    weakly,
+)
 from celery_dlock.backends.postgres import rows, waiting
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
@@ -77,7 +83,7 @@ class _Session:
         self.one = self.prepared.one
 
 
-class _Loop:
+class _Loop(LoopOwned):
     """One event loop's connections to one store, and what they know."""
 
     def __init__(self, config: Config) -> None:
@@ -92,7 +98,6 @@ class _Loop:
         self.waiters: set[psycopg.AsyncConnection[Any]] = set()
         self.watched: dict[int, tuple[Lease, Callable[[Lease], None]]] = {}
         self.watcher: asyncio.Task[None] | None = None
-        self._keeper: AsyncGenerator[None, None] | None = None
 
     async def open(self) -> _Session:
         """The lock session, opened and checked as the blocking one (caller holds ``mutex``)."""
@@ -100,7 +105,7 @@ class _Loop:
             if self.session.held or not has_ended(self.session.conn):
                 return self.session
             await self.drop()
-        await self._keeping()
+        await self.keep()
         config, statements = self.config, self.config.statements
         conn = await config.aconnect("lock")
         try:
@@ -154,7 +159,7 @@ class _Loop:
             return self.idle_waiters.pop()
         if len(self.waiters) >= self.config.max_waiters:
             return None
-        await self._keeping()
+        await self.keep()
         conn = await self.config.aconnect("waiter")
         self.waiters.add(conn)
         return conn
@@ -203,26 +208,16 @@ class _Loop:
             tell_lost([self.watched.pop(f) for f in list(self.watched) if f in self.lost])
         self.watcher = None
 
-    async def _keeping(self) -> None:
-        """Have the connections closed when the loop shuts down (once per loop)."""
-        if self._keeper is None:
-            self._keeper = self._keep()
-            await anext(self._keeper)
-
-    async def _keep(self) -> AsyncGenerator[None, None]:
-        """Closed by the loop's ``shutdown_asyncgens`` (``asyncio.run`` calls it): the
-        connections go with the loop."""
-        try:
-            yield
-        finally:
-            if self.watcher is not None:
-                self.watcher.cancel()
-            await self.drop()
-            for conn in list(self.waiters):  # a leave cancelled by the shutdown included
-                with contextlib.suppress(Exception):
-                    await conn.close()
-            self.waiters.clear()
-            self.idle_waiters.clear()
+    async def aclose(self) -> None:
+        """The lock session and the waiters closed (a leave cancelled by the shutdown too)."""
+        if self.watcher is not None:
+            self.watcher.cancel()
+        await self.drop()
+        for conn in list(self.waiters):
+            with contextlib.suppress(Exception):
+                await conn.close()
+        self.waiters.clear()
+        self.idle_waiters.clear()
 
 
 class _Queued(Place):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from celery_dlock.backends.base import Place
-from celery_dlock.backends.common import LoopLocal
+from celery_dlock.backends.common import LoopLocal, LoopOwned
 from celery_dlock.backends.redis.calls import Calls
 from celery_dlock.backends.redis.client import AMBIGUOUS, Client, backoff, doubt, evicting
 from celery_dlock.backends.redis.fields import lease_from_state
@@ -51,7 +51,7 @@ IDLE = 5.0
 MAX_WAITERS = 256
 
 
-class _LoopConnections:
+class _LoopConnections(LoopOwned):
     """One event loop's connections, and the acquires whose reply it lost."""
 
     def __init__(
@@ -66,17 +66,8 @@ class _LoopConnections:
         self.blocked = 0  # in a BLPOP now
         #: (key, token) of acquires whose reply never came: released once Redis answers.
         self.doubtful: list[tuple[str, str]] = []
-        self._keeper: AsyncGenerator[None, None] | None = None
         #: Whether the server's eviction policy was read (by the first connection made).
         self._policy_read = False
-
-    async def _keep(self) -> AsyncGenerator[None, None]:
-        """Closes the connections when the loop shuts down: ``asyncio.run`` (and any loop's
-        ``shutdown_asyncgens``) closes the async generators still open, this one too."""
-        try:
-            yield
-        finally:
-            await self.close()
 
     async def send(self, packed: bytes, count: int, timeout: float | None = None) -> Any:
         """Send one command packed as ``count`` bulk strings; its reply. ``timeout`` bounds
@@ -110,9 +101,7 @@ class _LoopConnections:
                 raise
         if self._idle:
             return self._idle.pop()[0]  # the last used: the others age, and are closed
-        if self._keeper is None:
-            self._keeper = self._keep()
-            await anext(self._keeper)
+        await self.keep()
         self._open += 1
         connection = self._make()
         if not self._policy_read:
@@ -168,7 +157,7 @@ class _LoopConnections:
             self._open -= 1
             self._wake()  # a call waiting may open one now
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         idle, self._idle = self._idle, []
         self._open -= len(idle)
         for connection, _ in idle:
