@@ -74,11 +74,17 @@ def end_server_connection(admin: Any, pid: int) -> None:
     """End the pooler's server connection ``pid`` (as a server restart behind the pooler
     would), and wait until it is gone: what it was running did not land."""
     admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    wait_ended(admin, pid, "the server connection ended")
+
+
+def wait_ended(admin: Any, pid: int, what: str) -> None:
+    """Wait until the server's session ``pid`` is gone (a closed client's ends in the
+    server's own time, not at once)."""
     eventually(
         lambda: admin.execute(
             "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", (pid,)
         ).fetchone()[0],
-        "the server connection ended",
+        what,
     )
 
 
@@ -257,7 +263,9 @@ def test_migrate_through_the_pooler_keeps_the_sql_functions_bound_to_their_sessi
         token, _ = report.execute(
             f"SELECT token, fence FROM \"{schema}\".acquire('job:scale:sql', 'nightly', NULL)"
         ).fetchone()
+        pid = report.info.backend_pid
         report.close()  # the report's session ends: its lease with it
+        wait_ended(admin, pid, "the report's session ended")
         session = PostgresBackend.from_url(with_options(POSTGRES_URL, schema=schema))
         try:
             taken = session.try_acquire("job:scale:sql", Holder.current(), None)
