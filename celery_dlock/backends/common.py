@@ -170,6 +170,12 @@ class LoopLocal(Generic[L]):
         pid = os.getpid()
         return [value for owner, value in list(self._made.values()) if owner == pid]
 
+    def close(self) -> None:
+        """Have this process's objects closed, each by a task of its loop; a later ``get``
+        makes a new one (a store closed and used again connects again)."""
+        _close_soon(self._made)
+        self._made.clear()
+
 
 def _close_soon(made: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, L]]) -> None:
     """Have what a collected ``LoopLocal`` made closed, each by a task of its loop (from any

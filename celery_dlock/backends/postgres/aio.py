@@ -271,6 +271,10 @@ class AsyncPostgres:
         self._loops = LoopLocal(lambda: _Loop(config))
         self._loop = self._loops.get
 
+    def close(self) -> None:
+        """Close each loop's connections, by a task of that loop: its leases are lost."""
+        self._loops.close()
+
     def holds(self, fence: int) -> bool:
         """Whether a lock session of a live loop of this process holds ``fence``."""
         return any(

@@ -375,8 +375,11 @@ class PostgresStore(LockBackend):
     # -- the process's connections -------------------------------------------------------
 
     def close(self) -> None:
-        """Close this process's connections. Leases held through them are lost."""
+        """Close this process's connections (the asyncio client's by a task of each loop).
+        Leases held through them are lost."""
         self._clients.get().close()
+        if self._async is not None:
+            self._async.close()
 
     def server_time(self) -> float:
         return float(self._read(doctor.SERVER_TIME, {}, "server_time")[0][0])

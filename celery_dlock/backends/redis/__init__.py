@@ -441,4 +441,7 @@ class RedisBackend(LockBackend):
         return checks(info, cluster_client=self._client.cluster)
 
     def close(self) -> None:
+        """Close this process's connections (the asyncio client's by a task of each loop)."""
         self._client.close()
+        if self._async is not None:
+            self._async.close()

@@ -179,6 +179,10 @@ class AsyncRedis:
         self._loops = LoopLocal(lambda: _LoopConnections(make, layout.claim(), layout.check))
         self._connections = self._loops.get
 
+    def close(self) -> None:
+        """Close each loop's connections, by a task of that loop."""
+        self._loops.close()
+
     async def _run(
         self,
         script: Script,
