@@ -156,11 +156,13 @@ def test_renewal_is_an_asyncio_task_that_keeps_the_lease_past_its_ttl(store: Sto
     backend = store.backend
 
     async def scenario() -> None:
-        lock = AsyncLock(backend, "job:aio:renew", ttl=1.2)
+        # A renewal every 0.8 s, each with 1.6 s to land: an object store's calls on a
+        # loaded machine took over 0.8 s (with ttl=1.2 the lease was lost, rightly).
+        lock = AsyncLock(backend, "job:aio:renew", ttl=2.4)
         first = await lock.acquire()
         assert lock._renewal is not None
         if store.clock is None:  # the store's own clock: outlive the ttl for real
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(5)
             assert backend.try_acquire("job:aio:renew", holder(), None) is None
             assert lock.lease is not None and lock.lease.expires_at > first.expires_at
         renewed = await lock.renew(60)
