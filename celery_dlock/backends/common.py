@@ -178,8 +178,9 @@ class LoopLocal(Generic[L]):
 
 
 def _close_soon(made: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, L]]) -> None:
-    """Have what a collected ``LoopLocal`` made closed, each by a task of its loop (from any
-    thread: the collector runs where it runs). A loop closed since runs nothing more."""
+    """Have what a ``LoopLocal`` made closed, each by a task of its loop: called from any
+    thread (``close()``'s, or the collector's as it collects the ``LoopLocal``). A loop
+    closed since runs nothing more."""
     for loop, (owner, value) in list(made.items()):
         if owner == os.getpid():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
