@@ -76,8 +76,10 @@ def has_ended(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> b
         poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
         # A terminated session sends its FATAL message, then closes: the first read takes
         # the message (libpq keeps it as a notice), a later one finds the end of the socket,
-        # which may come a moment after. Only a socket that had something to say waits.
-        for wait_ms in (0, 20, 20):
+        # which may come a moment after: over 40 ms on a loaded machine (a CI run), since
+        # the server drops the session from pg_stat_activity before its process closes the
+        # socket. Only a socket that had something to say waits, 200 ms at most.
+        for wait_ms in (0, 20, 60, 120):
             if not poller.poll(wait_ms) or pgconn.status != ConnStatus.OK:
                 break
             pgconn.consume_input()
