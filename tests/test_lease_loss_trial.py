@@ -7,7 +7,6 @@ raises; a private Redis restarted under a holder; renewal in a forked child.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from celery_dlock.backends.base import LockBackend
 from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
 from tests.support import eventually, unavailable
+from tests.support.freezing_proxy import FreezingProxy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -378,65 +378,6 @@ def test_lock_shared_by_threads_never_strands_a_renewed_lease(redis_store: Store
         for lease in left:
             backend.release(lease, Outcome.FORCED, "forced", "trial cleanup")
     assert stranded == 0
-
-
-class FreezingProxy:
-    """A loopback TCP proxy that can stop forwarding while keeping every socket open: a
-    partition that drops packets (no reset, no closed socket), for one client only."""
-
-    def __init__(self, port: int) -> None:
-        self.target = ("127.0.0.1", port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self.listener.getsockname()[1]
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self.sockets: list[socket.socket] = []
-        self.mutex = threading.Lock()
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            try:
-                server = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                return
-            with self.mutex:  # a connection accepted as the proxy closes is closed too
-                late = self.closed
-                if not late:
-                    self.sockets += [client, server]
-            if late:
-                client.close()
-                server.close()
-                return
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
-        while True:
-            try:
-                data = source.recv(65536)
-                if not data:
-                    return
-                self.flowing.wait()
-                sink.sendall(data)
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self.flowing.set()
-        self.listener.close()
-        with self.mutex:
-            self.closed = True
-        for s in self.sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
 
 
 def test_partitioned_holder_knows_it_lost_once_another_holds_the_key(

@@ -143,7 +143,9 @@ def test_an_async_lease_whose_session_ends_is_reported_lost_once(
         real = postgres_aio.has_ended
         held_back.set()
         monkeypatch.setattr(
-            postgres_aio, "has_ended", lambda conn: False if held_back.is_set() else real(conn)
+            postgres_aio,
+            "has_ended",
+            lambda conn, ending: False if held_back.is_set() else real(conn, ending),
         )
     ttl = 0.3 if first == "renewal" else 6.0
     called: list[Lease] = []

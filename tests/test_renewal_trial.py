@@ -44,8 +44,9 @@ from tests.backends.stores.postgres import admin_connection, schema_store
 from tests.backends.stores.redis import URL as REDIS_URL
 from tests.backends.stores.redis import delete_prefix, store_url
 from tests.support import eventually
+from tests.support.freezing_proxy import FreezingProxy
 from tests.support.services import POSTGRES_URL
-from tests.test_lease_loss_trial import FreezingProxy, private_redis  # noqa: F401
+from tests.test_lease_loss_trial import private_redis  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 

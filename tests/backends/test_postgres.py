@@ -27,7 +27,7 @@ from celery_dlock.records import DETAILS_LIMIT
 from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.support import eventually, force_release
 from tests.support.holders import kill, spawn_holder
-from tests.support.services import lease_session_pids, promote_a_standby_without
+from tests.support.services import lease_session_pids, promote_a_standby_without, wait_ended
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -228,8 +228,7 @@ def test_an_idle_session_the_server_ended_is_replaced_before_the_next_acquire(
     assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
     pid = session_pid(backend)
     admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
-    eventually(lambda: admin.execute(gone, (pid,)).fetchone()[0] == 0, "the session ended")
+    wait_ended(admin, pid)
 
     lease = backend.try_acquire("job:idle-ended", holder(), None)
     assert lease is not None and lease.fence > warm.fence

@@ -17,7 +17,7 @@ import pytest
 from celery_dlock import AsyncLock, Lease, Lock, LockLostError, Outcome
 from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.support import eventually
-from tests.support.services import lease_session_pids, promote_a_standby_without
+from tests.support.services import lease_session_pids, promote_a_standby_without, wait_ended
 
 pytest.importorskip("psycopg")
 
@@ -75,16 +75,11 @@ def test_a_loop_holds_its_leases_on_a_lock_session_of_its_own(
 def test_an_idle_loop_session_the_server_ended_is_replaced_before_the_next_acquire(
     backend: PostgresBackend, admin: Any
 ) -> None:
-    gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
-
     async def scenario() -> None:
         async with AsyncLock(backend, "job:pg-aio:idle-ended"):
             pid = row_pid(admin, backend, "job:pg-aio:idle-ended")
         admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        for _ in range(100):
-            if admin.execute(gone, (pid,)).fetchone()[0] == 0:
-                break
-            await asyncio.sleep(0.05)
+        wait_ended(admin, pid)  # blocks the loop: nothing else runs on it
         async with AsyncLock(backend, "job:pg-aio:idle-ended"):  # no BackendError
             assert row_pid(admin, backend, "job:pg-aio:idle-ended") not in (pid, 0)
 

@@ -13,6 +13,7 @@ does under load.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
@@ -22,7 +23,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from celery_dlock import BackendError, ConfigurationError, Lock, Locks, Outcome
+from celery_dlock import AsyncLock, BackendError, ConfigurationError, Lock, Locks, Outcome
 from celery_dlock.backends.base import Place
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.backends.postgres.session import Queued
@@ -37,7 +38,8 @@ from tests.backends.test_postgres import (
 )
 from tests.support import eventually
 from tests.support.countingproxy import CountingProxy
-from tests.support.services import lease_lock, lease_session_pids
+from tests.support.freezing_proxy import FreezingProxy
+from tests.support.services import lease_lock, lease_session_pids, wait_ended
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -281,6 +283,68 @@ def test_a_ttl_lease_whose_renewal_reply_was_lost_is_not_reported_lost(
     assert renewed is not None and renewed.token == lease.token
     held = backend.get("job:cut-renew")
     assert held is not None and held.token == lease.token
+
+
+def passed_on(proxy: FreezingProxy) -> None:
+    """Wait until ``proxy`` has passed the server's FATAL "terminating connection" (SQLSTATE
+    57P01) on to its client (its thread runs beside the test's) and kept the socket open."""
+    eventually(lambda: proxy.ended_saying(b"C57P01\0"), "the proxy passed the FATAL message on")
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_session_the_server_said_it_ended_is_replaced_though_its_socket_stays_open(
+    backends: Backends, admin: Any, schema: str
+) -> None:
+    """The server ends an idle lock session (a restart, a failover, ``pg_terminate_backend``):
+    its FATAL message tells, not the end of the socket, which may come later (seen over
+    40 ms on a loaded machine). Here a proxy passes the message on and keeps the client's
+    socket open: the next acquire opens a new session instead of failing on the old one
+    (before the fix, it was sent on the ended session and waited for an answer that never
+    came: failed by the timeout mark)."""
+    proxy = FreezingProxy(PORT)
+    try:
+        backend = backends(via(proxy.port, schema))
+        warm = backend.try_acquire("job:said-ended", holder(), None)
+        assert warm is not None and backend.release(warm, Outcome.SUCCEEDED) is not None
+        pid = session_pid(backend)
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_ended(admin, pid)
+        passed_on(proxy)
+
+        lease = backend.try_acquire("job:said-ended", holder(), None)  # no BackendError
+        assert lease is not None and lease.fence > warm.fence
+        assert lease_session_pids(admin, schema, lease.fence) == [session_pid(backend)] != [pid]
+        assert backend.release(lease, Outcome.SUCCEEDED) is not None
+        assert [r.outcome for r in backend.history(key="job:said-ended")] == [Outcome.SUCCEEDED] * 2
+    finally:
+        proxy.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_loop_session_the_server_said_it_ended_is_replaced_though_its_socket_stays_open(
+    backends: Backends, admin: Any, schema: str
+) -> None:
+    """The same for a loop's lock session (``AsyncLock``)."""
+    proxy = FreezingProxy(PORT)
+    backend = backends(via(proxy.port, schema))
+
+    async def scenario() -> tuple[int, list[int]]:
+        async with AsyncLock(backend, "job:said-ended-aio") as warm:
+            [pid] = lease_session_pids(admin, schema, warm.fence)
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        wait_ended(admin, pid)
+        passed_on(proxy)
+        async with AsyncLock(backend, "job:said-ended-aio") as lease:  # no BackendError
+            assert lease.fence > warm.fence
+            return pid, lease_session_pids(admin, schema, lease.fence)
+
+    try:
+        pid, now = asyncio.run(scenario())
+        assert len(now) == 1 and now != [pid]
+        outcomes = [r.outcome for r in backend.history(key="job:said-ended-aio")]
+        assert outcomes == [Outcome.SUCCEEDED] * 2
+    finally:
+        proxy.close()
 
 
 def test_release_on_a_dead_session_is_lost_and_left_for_reap(

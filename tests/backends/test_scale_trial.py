@@ -42,7 +42,7 @@ from tests.support import eventually
 from tests.support.doctor import by_name
 from tests.support.redis_cluster import Cluster, shared_cluster, start_cluster
 from tests.support.scale_trial import Bouncer, bouncer, limited_role, server_connections
-from tests.support.services import POSTGRES_URL, peak_sessions, with_options
+from tests.support.services import POSTGRES_URL, peak_sessions, wait_ended, with_options
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -75,17 +75,6 @@ def end_server_connection(admin: Any, pid: int) -> None:
     would), and wait until it is gone: what it was running did not land."""
     admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
     wait_ended(admin, pid, "the server connection ended")
-
-
-def wait_ended(admin: Any, pid: int, what: str) -> None:
-    """Wait until the server's session ``pid`` is gone (a closed client's ends in the
-    server's own time, not at once)."""
-    eventually(
-        lambda: admin.execute(
-            "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", (pid,)
-        ).fetchone()[0],
-        what,
-    )
 
 
 # -- liveness=ttl through PgBouncer in transaction pooling mode -------------------------------

@@ -9,7 +9,7 @@ import subprocess
 import time
 from typing import Any
 
-from tests.support import unavailable
+from tests.support import eventually, unavailable
 
 POSTGRES_URL = os.environ.get("DLOCK_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -47,6 +47,17 @@ def drop_schema(admin: Any, schema: str) -> None:
             drop_schema(fresh, schema)
         return
     admin.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def wait_ended(admin: Any, pid: int, what: str = "the server ended the session") -> None:
+    """Wait until the server's session ``pid`` has left ``pg_stat_activity`` (a terminated
+    or closed client's session ends in the server's own time, not at once)."""
+    eventually(
+        lambda: admin.execute(
+            "SELECT NOT EXISTS (SELECT FROM pg_stat_activity WHERE pid = %s)", (pid,)
+        ).fetchone()[0],
+        what,
+    )
 
 
 def lease_lock(schema: str, fence: int) -> tuple[int, int]:

@@ -45,6 +45,7 @@ from celery_dlock.backends.postgres.session import (
     SWEEP_EVERY,
     WATCH_EVERY,
     Client,
+    Ending,
     connection_lost,
     has_ended,
     migrate,
@@ -74,6 +75,8 @@ class _Session:
     def __init__(self, conn: psycopg.AsyncConnection[Any], pid: int) -> None:
         self.conn = conn
         self.cursor = conn.cursor(binary=True)
+        self.ending = Ending()
+        conn.add_notice_handler(self.ending)
         self.pid = pid
         #: fence -> key of every lease whose advisory lock this session holds.
         self.held: dict[int, str] = {}
@@ -102,7 +105,7 @@ class _Loop(LoopOwned):
     async def open(self) -> _Session:
         """The lock session, opened and checked as the blocking one (caller holds ``mutex``)."""
         if self.session is not None:
-            if self.session.held or not has_ended(self.session.conn):
+            if self.session.held or not has_ended(self.session.conn, self.session.ending):
                 return self.session
             await self.drop()
         await self.keep()
@@ -198,7 +201,7 @@ class _Loop(LoopOwned):
             untimed = [f for f, (lease, _) in self.watched.items() if lease.expires_at is None]
             async with self.mutex:
                 session = self.session
-                if session is not None and has_ended(session.conn):
+                if session is not None and has_ended(session.conn, session.ending):
                     await self.drop()
                 elif session is not None and time.monotonic() - session.swept > SWEEP_EVERY / 2:
                     with contextlib.suppress(BackendError, ConfigurationError):  # ended: dropped

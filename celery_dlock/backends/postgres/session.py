@@ -39,8 +39,8 @@ from celery_dlock.events import fields
 from celery_dlock.records import Lease
 
 __all__ = [
-    "SWEEP_EVERY", "WATCH_EVERY", "Client", "Session", "connection_lost", "has_ended", "migrate",
-    "missing_tables", "pooled", "restore_guard", "tell_lost",
+    "SWEEP_EVERY", "WATCH_EVERY", "Client", "Ending", "Session", "connection_lost", "has_ended",
+    "migrate", "missing_tables", "pooled", "restore_guard", "tell_lost",
 ]  # fmt: skip
 
 #: Seconds after a release during which a process lets waiters of the key go first.
@@ -67,25 +67,36 @@ def missing_tables(config: Config) -> ConfigurationError:
     )
 
 
-def has_ended(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
-    """Whether the server ended the session on ``conn``, or its socket did, as far as
-    what is there to read now tells (no round trip; no statement may be under way)."""
+class Ending:
+    """A lock session's notice handler: whether the server said it ends the session. A
+    session the server ends (``pg_terminate_backend``, a shutdown, an idle timeout) sends a
+    FATAL message before it leaves ``pg_stat_activity`` and, a moment later, closes its
+    socket; libpq passes a message that comes while no statement is under way as a notice."""
+
+    __slots__ = ("said",)
+
+    def __init__(self) -> None:
+        self.said = False
+
+    def __call__(self, diagnostic: psycopg.errors.Diagnostic) -> None:
+        if diagnostic.severity_nonlocalized in ("FATAL", "PANIC"):
+            self.said = True
+
+
+def has_ended(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], ending: Ending) -> bool:
+    """Whether the server ended the session on ``conn`` (said so to ``ending``, its notice
+    handler), or its socket did, as far as what is there to read now tells (no round trip,
+    no wait; no statement may be under way)."""
     pgconn = conn.pgconn
     try:
         poller = select.poll()  # not select(): descriptors above 1023 are common
         poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-        # A terminated session sends its FATAL message, then closes: the first read takes
-        # the message (libpq keeps it as a notice), a later one finds the end of the socket,
-        # which may come a moment after: over 40 ms on a loaded machine (a CI run), since
-        # the server drops the session from pg_stat_activity before its process closes the
-        # socket. Only a socket that had something to say waits, 200 ms at most.
-        for wait_ms in (0, 20, 60, 120):
-            if not poller.poll(wait_ms) or pgconn.status != ConnStatus.OK:
-                break
-            pgconn.consume_input()
+        if poller.poll(0):
+            pgconn.consume_input()  # reads what came; the socket's end breaks the status
+            pgconn.is_busy()  # parses it: a FATAL message reaches ``ending``
     except (psycopg.Error, OSError):
         return True
-    return pgconn.status != ConnStatus.OK
+    return ending.said or pgconn.status != ConnStatus.OK
 
 
 def tell_lost(ended: list[tuple[Lease, Callable[[Lease], None]]]) -> None:
@@ -111,10 +122,13 @@ def connection_lost(
 class Session:
     """One open lock session: its connection, backend pid and the fences it holds."""
 
-    __slots__ = ("conn", "cursor", "held", "pid", "prepare", "prepared", "swept")
+    __slots__ = ("conn", "cursor", "ending", "held", "pid", "prepare", "prepared", "swept")
 
     def __init__(self, conn: psycopg.Connection[Any], pid: int, prepare: bool = True) -> None:
         self.conn = conn
+        #: Whether the server said it ends the session (see ``has_ended``).
+        self.ending = Ending()
+        conn.add_notice_handler(self.ending)
         self.cursor = conn.cursor(binary=True)
         #: The backend pid the session's leases name: 0 (``HANDED_OVER``) with
         #: ``liveness=ttl``, whose statements may each run on another server connection.
@@ -261,7 +275,7 @@ class Client:
         """Drop the lock session if the server ended it or its socket did (caller holds
         ``mutex``, so no statement is under way and anything to read is unasked for)."""
         session = self.session
-        if session is not None and has_ended(session.conn):
+        if session is not None and has_ended(session.conn, session.ending):
             extra = fields("session_ended", backend=self.config.url)
             logger.warning("the lock session (backend pid %d) ended", session.pid, extra=extra)
             self.drop()
