@@ -9,9 +9,10 @@ lock. The shared server on 6379 is never touched.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +21,8 @@ from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcom
 from celery_dlock.backends import backend_from_url
 
 redis = pytest.importorskip("redis")
+
+from redis.crc import key_slot  # noqa: E402
 
 from celery_dlock.backends.redis import RedisBackend  # noqa: E402
 from celery_dlock.backends.redis.layout import Layout  # noqa: E402
@@ -308,18 +311,49 @@ def test_a_cluster_node_losing_only_some_buckets_keeps_the_new_split_out(
     new.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect left open: with buckets > 1 the marker's slot is no bucket's, so its loss "
-    "shows no new epoch to the old processes on buckets other nodes serve (see the report)",
-)
+def lose(cluster: Cluster, node: int, loss: str) -> None:
+    """The data of the primary on ``node`` lost: flushed, or failed over to an empty replica."""
+    if loss == "flush":
+        cluster.cli(node, "FLUSHALL")
+        return
+    replica = cluster.replica_of(node)
+    cluster.cli(replica, "CONFIG", "SET", "replica-read-only", "no")
+    cluster.cli(replica, "FLUSHALL")  # an empty replica
+    cluster.cli(replica, "CONFIG", "SET", "replica-read-only", "yes")
+    assert cluster.cli(replica, "DBSIZE").strip() == "0"
+    cluster.fail_over(node)
+
+
+def slot_owners(cluster: Cluster) -> Callable[[str], int]:
+    """The port of the primary serving a tag's slot, from one read of ``CLUSTER NODES``."""
+    spans = []
+    for line in cluster.cli(cluster.ports[0], "CLUSTER", "NODES").splitlines():
+        fields = line.split()
+        if "master" in fields[2] and "fail" not in fields[2]:
+            for span in fields[8:]:
+                first, _, last = span.partition("-")
+                if first.isdigit():
+                    spans.append(
+                        (int(first), int(last or first), int(fields[1].split(":")[1].split("@")[0]))
+                    )
+
+    def owner(tag: str) -> int:
+        slot = key_slot(tag.encode())
+        return next(port for first, last, port in spans if first <= slot <= last)
+
+    return owner
+
+
 @pytest.mark.parametrize("loss", ["flush", "failover"])
-def test_a_cluster_node_losing_the_marker_lets_no_other_split_grant_an_old_ones_lock(
+def test_a_cluster_node_losing_the_marker_keeps_the_new_split_out_by_its_buckets_markers(
     private_cluster: Cluster, loss: str
 ) -> None:
     """With buckets > 1 the marker's slot, ``{prefix}``, is no bucket's: a node that loses
     the marker (flushed, or failed over to an empty replica) shows the old processes no new
-    epoch on the buckets that other nodes serve."""
+    epoch on the buckets that other nodes serve. Each bucket's slot keeps a marker of its
+    own: a process started since with another split finds the old count there and is
+    refused, and the old split keeps its lock (before, the new split granted the key that
+    the old one also granted)."""
     prefix = f"lm{time.monotonic_ns()}"
     marker_node = node_of(private_cluster, "{" + prefix + "}")
     old = open_backend(cluster_url(private_cluster, prefix, restart_delay=1))
@@ -334,22 +368,58 @@ def test_a_cluster_node_losing_the_marker_lets_no_other_split_grant_an_old_ones_
     )
     lease = eventually(lambda: old.try_acquire(key, me(), 60), "a first lease")
     assert old.release(lease, Outcome.SUCCEEDED) is not None
-    if loss == "flush":
-        private_cluster.cli(marker_node, "FLUSHALL")
-    else:
-        replica = private_cluster.replica_of(marker_node)
-        private_cluster.cli(replica, "CONFIG", "SET", "replica-read-only", "no")
-        private_cluster.cli(replica, "FLUSHALL")  # an empty replica
-        private_cluster.cli(replica, "CONFIG", "SET", "replica-read-only", "yes")
-        assert private_cluster.cli(replica, "DBSIZE").strip() == "0"
-        private_cluster.fail_over(marker_node)
+    lose(private_cluster, marker_node, loss)
     new = open_backend(cluster_url(private_cluster, prefix, buckets=4, restart_delay=1))
-    theirs = new.try_acquire(key, me(), 60)
-    assert theirs is not None
+    where = re.escape(f"({{{prefix}:") + r"[0-3]\}:layout\)"  # a bucket's marker that survived
+    with pytest.raises(ConfigurationError, match=f"split as buckets=16 by another process {where}"):
+        new.try_acquire(key, me(), 60)
+    node = node_of(private_cluster, f"{{{prefix}:{new4.bucket(key)}}}")
+    assert private_cluster.cli(node, "EXISTS", new4.names(key).lock.decode()).strip() == "0"
+    ours = old.try_acquire(key, me(), 60)
+    assert ours is not None, "the old split's lock"
+    assert old.release(ours, Outcome.SUCCEEDED) is not None
+    old.close()
+    new.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="defect left open (layout.py: not covered): a node that loses every marker of "
+    "the new split at once ({prefix} and each of its buckets' slots) lets it in, while the "
+    "old split's bucket of the key lives on another node and shows no loss",
+)
+def test_a_cluster_node_losing_every_marker_of_the_new_split_lets_no_two_splits_hold_a_lock(
+    private_cluster: Cluster,
+) -> None:
+    owner = slot_owners(private_cluster)
+    prefix = ""
+    for n in range(5000):  # a namespace whose marker and 4 buckets' slots share a node
+        prefix = f"la{n}x{time.monotonic_ns()}"
+        nodes = {owner("{" + prefix + "}")} | {owner(f"{{{prefix}:{b}}}") for b in range(4)}
+        if len(nodes) == 1:
+            break
+    else:
+        pytest.fail("no namespace with the marker and 4 buckets on one node in 5,000")
+    [victim] = nodes
+    old16 = Layout(prefix, 16)
+    key = next(
+        k
+        for k in (f"job:{n}" for n in range(500))
+        if owner(f"{{{prefix}:{old16.bucket(k)}}}") != victim
+    )
+    old = open_backend(cluster_url(private_cluster, prefix, restart_delay=1))
+    lease = eventually(lambda: old.try_acquire(key, me(), 60), "a first lease")
+    assert old.release(lease, Outcome.SUCCEEDED) is not None
+    private_cluster.cli(victim, "FLUSHALL")
+    new = open_backend(cluster_url(private_cluster, prefix, buckets=4, restart_delay=0))
+    try:
+        theirs = new.try_acquire(key, me(), 60)
+    except ConfigurationError:
+        theirs = None
     try:
         ours = old.try_acquire(key, me(), 60)
     except ConfigurationError:
         ours = None
-    assert ours is None, "both splits hold one lock"
     old.close()
     new.close()
+    assert theirs is None or ours is None, "both splits hold one lock"

@@ -177,7 +177,7 @@ class RedisBackend(LockBackend):
         made = Connections if nodes is None else partial(ClusterConnections, nodes=nodes)
         self._layout = layout = Layout(prefix, buckets)
         self._client = Client(
-            settings, retries, url, made, claim=layout.claim(), check=layout.check
+            settings, retries, url, made, claims=layout.claims(), check=layout.check_all
         )
         self.calls = Calls(
             layout,
@@ -225,8 +225,8 @@ class RedisBackend(LockBackend):
         return lease
 
     def _claim_again(self, lease: Lease | None, connections: Wire) -> None:
-        """Redis lost its data (an acquire met a new epoch), the layout's marker with it:
-        claim it again before a lease is granted on the new data (the loss's quarantine
+        """Redis lost its data (an acquire met a new epoch), the layout's markers with it:
+        claim them again before a lease is granted on the new data (the loss's quarantine
         grants none), so that a process started since with another ``buckets`` is refused,
         or refuses this one. A lease that reply granted all the same (``restart_delay=0``)
         is released if this one is refused, and once Redis answers if the claim failed:

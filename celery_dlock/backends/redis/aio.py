@@ -55,10 +55,13 @@ class _LoopConnections(LoopOwned):
     """One event loop's connections, and the acquires whose reply it lost."""
 
     def __init__(
-        self, make: Callable[[], Any], claim: tuple[bytes, ...], check: Callable[[Any], None]
+        self,
+        make: Callable[[], Any],
+        claims: tuple[tuple[bytes, ...], ...],
+        check: Callable[[list[Any]], None],
     ) -> None:
         self._make = make
-        self._claim = claim  # the layout's (``Client``'s), sent by the first connection
+        self._claims = claims  # the layout's (``Client``'s), sent by the first connection
         self._check = check
         self._idle: list[tuple[Any, float]] = []  # with when each was last used
         self._open = 0  # idle or in a call
@@ -116,18 +119,21 @@ class _LoopConnections(LoopOwned):
 
     async def _first(self, connection: Any) -> None:
         """What the loop's first connection asks before any call: the server's eviction
-        policy, and the layout's claim (a refusal of either, as by an ACL or a replica, is
+        policy, and the layout's claims (a refusal of any, as by an ACL or a replica, is
         left to the doctor)."""
         try:
             await connection.send_command("INFO", "memory")
             evicting(await connection.read_response(), connection)
         except ResponseError:
             pass
-        try:
-            await connection.send_command(*self._claim)
-            self._check(await connection.read_response())
-        except ResponseError:
-            pass
+        replies = []
+        for claim in self._claims:
+            try:
+                await connection.send_command(*claim)
+                replies.append(await connection.read_response())
+            except ResponseError:
+                replies.append(None)
+        self._check(replies)
 
     def _wake(self) -> None:
         """Wake the first call still waiting for a connection."""
@@ -176,7 +182,7 @@ class AsyncRedis:
         pool = redis.asyncio.Redis(**settings).connection_pool
         make = partial(pool.connection_class, **pool.connection_kwargs)
         layout = calls.layout
-        self._loops = LoopLocal(lambda: _LoopConnections(make, layout.claim(), layout.check))
+        self._loops = LoopLocal(lambda: _LoopConnections(make, layout.claims(), layout.check_all))
         self._connections = self._loops.get
 
     def close(self) -> None:
@@ -253,11 +259,13 @@ class AsyncRedis:
 
     async def _claim_again(self, lease: Lease | None, connections: _LoopConnections) -> None:
         """``RedisBackend._claim_again`` on this loop's connections."""
-        claim = self._calls.layout.claim()
+        found: list[Any] = []
         try:
-            found = await connections.send(bulks(claim), len(claim))
-        except ResponseError:
-            found = None  # as the first claim: an ACL or a replica refused it
+            for claim in self._calls.layout.claims():
+                try:
+                    found.append(await connections.send(bulks(claim), len(claim)))
+                except ResponseError:
+                    found.append(None)  # as the first claim: an ACL or a replica refused it
         except RedisError as exc:
             if lease is not None:
                 connections.doubtful.append((lease.key, lease.token))

@@ -192,17 +192,18 @@ class Calls:
             self.lost_data = True
         self._epochs[name] = epoch
 
-    def judge(self, found: object) -> None:
-        """Judge the reply of the layout's claim sent again after a loss of data: another
-        split found refuses every acquire of this process (its leases on the new data, none,
-        it may still release) until a claim finds the same or none (the operator stopped
-        the other split and deleted the marker), which ends the doubt and the refusal.
+    def judge(self, found: Sequence[object]) -> None:
+        """Judge the replies of the layout's claims sent again after a loss of data: another
+        split found in any refuses every acquire of this process (its leases on the new
+        data, none, it may still release) until the claims find the same or none (the
+        operator stopped the other split and deleted the markers), which ends the doubt and
+        the refusal.
 
         Raises:
             ConfigurationError: another process claimed another split since the loss.
         """
         try:
-            self.layout.check(found)
+            self.layout.check_all(found)
         except ConfigurationError as exc:
             self.refused = str(exc)
             raise

@@ -231,8 +231,8 @@ class Client:
             ``ClusterConnections``).
         retries: how often a command whose connection failed is sent again.
         url: the masked URL, for error messages.
-        claim, check: a command sent once per process before any other, and the judge of
-            its reply (the layout's; see ``Layout.check``).
+        claims, check: commands sent once per process before any other, and the judge of
+            their replies (the layout's; see ``Layout.check_all``).
     """
 
     def __init__(
@@ -242,8 +242,8 @@ class Client:
         url: str,
         connections: Callable[[dict[str, Any]], Wire] = Connections,
         *,
-        claim: tuple[bytes, ...] | None = None,
-        check: Callable[[Any], None] | None = None,
+        claims: Sequence[tuple[bytes, ...]] = (),
+        check: Callable[[list[Any]], None] | None = None,
     ) -> None:
         self.connection = {
             "socket_timeout": 5.0,
@@ -260,24 +260,22 @@ class Client:
         #: Whether the connections are a cluster's (``ClusterConnections``).
         self.cluster = connections is not Connections
         self._make = connections
-        #: A command sent once per process before any other, and what judges its reply (a
-        #: ResponseError, as from a replica or an ACL, is not judged): the layout's claim.
-        self._claim = claim
+        #: Commands sent once per process before any other, and what judges their replies
+        #: (None for a ResponseError, as from a replica or an ACL): the layout's claims.
+        self._claims = tuple(claims)
         self._check = check
         self._local = ProcessLocal(self._open, lambda made: made.close())
 
     def _open(self) -> Wire:
         """This process's connections, made now, after the claim (retried as a call is)."""
         wire = self._make(self.connection)
-        if self._claim is None or self._check is None:
+        if not self._claims or self._check is None:
             return wire
         attempt = 0
         try:
             while True:
                 try:
-                    self._check(wire.call(*self._claim))
-                    return wire
-                except ResponseError:
+                    self._check(self._claim(wire))
                     return wire
                 except AMBIGUOUS as exc:
                     if attempt >= self.retries:
@@ -290,16 +288,22 @@ class Client:
             wire.close()
             raise
 
-    def claim(self) -> Any:
-        """The layout's claim sent again (after a loss of Redis's data): its reply, for
-        ``Calls.judge``; None when Redis refuses the command (an ACL, a replica), which the
-        first claim leaves to the doctor too."""
-        if self._claim is None:
-            return None
+    def _claim(self, wire: Wire) -> list[Any]:
+        """The replies of the layout's claims on ``wire``: None for one Redis refused (an
+        ACL, a replica), which the doctor reports."""
+        replies = []
+        for claim in self._claims:
+            try:
+                replies.append(wire.call(*claim))
+            except ResponseError:
+                replies.append(None)
+        return replies
+
+    def claim(self) -> list[Any]:
+        """The layout's claims sent again (after a loss of Redis's data): their replies,
+        for ``Calls.judge``."""
         try:
-            return self._local.get().call(*self._claim)
-        except ResponseError:
-            return None
+            return self._claim(self._local.get())
         except RedisError as exc:
             raise self.error("claim", None, exc) from exc
 

@@ -22,14 +22,19 @@ the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
 
 Processes whose ``buckets`` differ name one lock by different keys, so both would hold it:
 each process records its count in ``{prefix}:layout`` at its first call (``SET NX GET``),
-and one that finds another count refuses to work (:meth:`Layout.check`). The key goes
-when Redis loses its data: a process claims it again when an acquire meets an epoch it has
-not seen (a new one after the loss, or a bucket's first, which cannot tell a loss from a
-first use), and refuses to acquire while another count is claimed (``Calls.judge``; each
-acquire then claims again, so that it works again once the key is its own). To change
-``buckets``, stop every process of the namespace and delete that key. Not covered: in a
-Redis Cluster with ``buckets`` > 1 the key's slot is no bucket's, so a node that loses it
-alone shows no new epoch to the processes (tests/backends/test_redis_layout_trial.py).
+and with ``buckets`` > 1 in each bucket's slot too (``{prefix:<b>}:layout``), and one that
+finds another count in any of them refuses to work (:meth:`Layout.check`). The keys go
+when Redis loses its data: a process claims them all again when an acquire meets an epoch
+it has not seen (a new one after the loss, or a bucket's first, which cannot tell a loss
+from a first use), and refuses to acquire while another count is claimed in any
+(``Calls.judge``; each acquire then claims again, so that it works again once the keys
+are its own). To change ``buckets``, stop every process of the namespace and delete those
+keys. In a Redis Cluster a node that loses some of the keys (a flush, a failover to an
+empty replica) leaves the others to speak: a process started since with another count
+is refused by those that survive in its own buckets' slots. Not covered: a loss of every
+one of its keys at once (``{prefix}`` and each of its buckets' slots), while the old
+processes' buckets survive on other nodes, lets both grant one lock
+(tests/backends/test_redis_layout_trial.py).
 """
 
 from __future__ import annotations
@@ -78,24 +83,45 @@ class Layout:
         """The key that records how this namespace is split: ``{prefix}:layout``."""
         return b"{" + self.prefix.encode() + b"}:layout"
 
-    def claim(self) -> tuple[bytes, ...]:
-        """The command that records this process's ``buckets`` unless one is recorded, and
-        answers the one recorded: its reply goes to :meth:`check`."""
-        return (b"SET", self.marker, b"buckets=%d" % self.buckets, b"NX", b"GET")
+    @property
+    def markers(self) -> tuple[bytes, ...]:
+        """The keys that record it: the marker, and with ``buckets`` > 1 one in each
+        bucket's slot, ``{prefix:<b>}:layout``, which a cluster's node holding some of
+        this namespace's data keeps beside it (the marker's slot is no bucket's)."""
+        if self.buckets == 1:
+            return (self.marker,)
+        return (self.marker, *(tag + b"layout" for tag in self._tags))
 
-    def check(self, found: object) -> None:
+    def claims(self) -> tuple[tuple[bytes, ...], ...]:
+        """The commands that record this process's ``buckets`` in each of :attr:`markers`
+        unless one is recorded there, and answer the one recorded: each reply goes to
+        :meth:`check`."""
+        mine = b"buckets=%d" % self.buckets
+        return tuple((b"SET", marker, mine, b"NX", b"GET") for marker in self.markers)
+
+    def check(self, found: object, marker: bytes | None = None) -> None:
         """Refuse a namespace that another process splits into another number of buckets
-        (``found``: the reply of :meth:`claim`)."""
+        (``found``: the reply of one of :meth:`claims`, the one for ``marker``)."""
         mine = b"buckets=%d" % self.buckets
         if found is None or found == mine:
             return
         theirs = found.decode(errors="replace") if isinstance(found, bytes) else repr(found)
+        where = (marker or self.marker).decode(errors="replace")
+        keys = self.marker.decode()
+        if self.buckets > 1:
+            keys += f" and each {{{self.prefix}:<bucket>}}:layout"
         raise ConfigurationError(
             f"the redis namespace {self.prefix!r} is split as {theirs} by another process "
-            f"({self.marker.decode()}), and as buckets={self.buckets} here: the two would "
-            "name one lock by two keys and both hold it. Give every process the same "
-            f"buckets; to change it, stop them all and delete {self.marker.decode()}"
+            f"({where}), and as buckets={self.buckets} here: the two would name one lock by "
+            "two keys and both hold it. Give every process the same buckets; to change it, "
+            f"stop them all and delete {keys}"
         )
+
+    def check_all(self, replies: Sequence[object]) -> None:
+        """:meth:`check` each reply of :meth:`claims` (None: the command was refused, as
+        by an ACL or a replica, which the doctor reports)."""
+        for marker, found in zip(self.markers, replies, strict=True):
+            self.check(found, marker)
 
     def _tag(self, bucket: int) -> bytes:
         text = self.prefix if self.buckets == 1 else f"{self.prefix}:{bucket}"
