@@ -145,7 +145,7 @@ def test_an_async_lease_whose_session_ends_is_reported_lost_once(
         monkeypatch.setattr(
             postgres_aio,
             "has_ended",
-            lambda conn, ending: False if held_back.is_set() else real(conn, ending),
+            lambda conn, notice: False if held_back.is_set() else real(conn, notice),
         )
     ttl = 0.3 if first == "renewal" else 6.0
     called: list[Lease] = []

@@ -38,6 +38,7 @@ from celery_dlock.backends.common import (
 from celery_dlock.backends.postgres import rows, waiting
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.ended import connection_lost, end_notice, has_ended
 from celery_dlock.backends.postgres.pooling import opened, pooled
 from celery_dlock.backends.postgres.prepared import AsyncPreparedStatements
 from celery_dlock.backends.postgres.recovery import SessionEnded, refusal
@@ -45,9 +46,6 @@ from celery_dlock.backends.postgres.session import (
     SWEEP_EVERY,
     WATCH_EVERY,
     Client,
-    Ending,
-    connection_lost,
-    has_ended,
     migrate,
     missing_tables,
     tell_lost,
@@ -75,8 +73,7 @@ class _Session:
     def __init__(self, conn: psycopg.AsyncConnection[Any], pid: int) -> None:
         self.conn = conn
         self.cursor = conn.cursor(binary=True)
-        self.ending = Ending()
-        conn.add_notice_handler(self.ending)
+        self.notice = end_notice(conn)
         self.pid = pid
         #: fence -> key of every lease whose advisory lock this session holds.
         self.held: dict[int, str] = {}
@@ -105,7 +102,7 @@ class _Loop(LoopOwned):
     async def open(self) -> _Session:
         """The lock session, opened and checked as the blocking one (caller holds ``mutex``)."""
         if self.session is not None:
-            if self.session.held or not has_ended(self.session.conn, self.session.ending):
+            if self.session.held or not has_ended(self.session.conn, self.session.notice):
                 return self.session
             await self.drop()
         await self.keep()
@@ -201,7 +198,7 @@ class _Loop(LoopOwned):
             untimed = [f for f, (lease, _) in self.watched.items() if lease.expires_at is None]
             async with self.mutex:
                 session = self.session
-                if session is not None and has_ended(session.conn, session.ending):
+                if session is not None and has_ended(session.conn, session.notice):
                     await self.drop()
                 elif session is not None and time.monotonic() - session.swept > SWEEP_EVERY / 2:
                     with contextlib.suppress(BackendError, ConfigurationError):  # ended: dropped

@@ -13,8 +13,9 @@ import psycopg
 from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.ended import connection_lost
 from celery_dlock.backends.postgres.pooling import pooled
-from celery_dlock.backends.postgres.session import Client, Session, connection_lost
+from celery_dlock.backends.postgres.session import Client, Session
 from celery_dlock.errors import BackendError, ConfigurationError
 from celery_dlock.records import Lease, Outcome
 

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import queue
-import select
 import threading
 import time
 import weakref
@@ -25,11 +24,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
-from psycopg.pq import ConnStatus
 
 from celery_dlock.backends.base import Place
 from celery_dlock.backends.common import weakly
 from celery_dlock.backends.postgres.config import Config, translate
+from celery_dlock.backends.postgres.ended import connection_lost, end_notice, has_ended
 from celery_dlock.backends.postgres.migration import migrate
 from celery_dlock.backends.postgres.pooling import opened, pooled
 from celery_dlock.backends.postgres.prepared import PreparedStatements
@@ -39,8 +38,8 @@ from celery_dlock.events import fields
 from celery_dlock.records import Lease
 
 __all__ = [
-    "SWEEP_EVERY", "WATCH_EVERY", "Client", "Ending", "Session", "connection_lost", "has_ended",
-    "migrate", "missing_tables", "pooled", "restore_guard", "tell_lost",
+    "SWEEP_EVERY", "WATCH_EVERY", "Client", "Session", "migrate", "missing_tables", "pooled",
+    "restore_guard", "tell_lost",
 ]  # fmt: skip
 
 #: Seconds after a release during which a process lets waiters of the key go first.
@@ -48,8 +47,6 @@ _POLITE_FOR = 1.0
 _POLITE_KEYS = 1024
 #: Seconds an idle background thread of ``end_wait_later`` lingers before it ends.
 _LEAVER_IDLE = 5.0
-#: SQLSTATEs after which the server has ended the session (admin/crash shutdown, restarting).
-_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
 #: Seconds between two looks at the lock session by the watcher of leases without a ttl.
 WATCH_EVERY = 1.0
 #: Seconds between sweeps of the advisory locks a session holds (``Client.sweep``).
@@ -67,38 +64,6 @@ def missing_tables(config: Config) -> ConfigurationError:
     )
 
 
-class Ending:
-    """A lock session's notice handler: whether the server said it ends the session. A
-    session the server ends (``pg_terminate_backend``, a shutdown, an idle timeout) sends a
-    FATAL message before it leaves ``pg_stat_activity`` and, a moment later, closes its
-    socket; libpq passes a message that comes while no statement is under way as a notice."""
-
-    __slots__ = ("said",)
-
-    def __init__(self) -> None:
-        self.said = False
-
-    def __call__(self, diagnostic: psycopg.errors.Diagnostic) -> None:
-        if diagnostic.severity_nonlocalized in ("FATAL", "PANIC"):
-            self.said = True
-
-
-def has_ended(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], ending: Ending) -> bool:
-    """Whether the server ended the session on ``conn`` (said so to ``ending``, its notice
-    handler), or its socket did, as far as what is there to read now tells (no round trip,
-    no wait; no statement may be under way)."""
-    pgconn = conn.pgconn
-    try:
-        poller = select.poll()  # not select(): descriptors above 1023 are common
-        poller.register(pgconn.socket, select.POLLIN | select.POLLERR | select.POLLHUP)
-        if poller.poll(0):
-            pgconn.consume_input()  # reads what came; the socket's end breaks the status
-            pgconn.is_busy()  # parses it: a FATAL message reaches ``ending``
-    except (psycopg.Error, OSError):
-        return True
-    return ending.said or pgconn.status != ConnStatus.OK
-
-
 def tell_lost(ended: list[tuple[Lease, Callable[[Lease], None]]]) -> None:
     """Call each watcher's ``on_lost`` with its lease, which died with its session."""
     for lease, on_lost in ended:
@@ -109,26 +74,14 @@ def tell_lost(ended: list[tuple[Lease, Callable[[Lease], None]]]) -> None:
             logger.exception("on_lost callback for %s failed", lease.key, extra=extra)
 
 
-def connection_lost(
-    exc: psycopg.Error, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
-) -> bool:
-    """Whether ``exc`` ended the session on ``conn`` (so a statement may or may not have run)."""
-    state = exc.sqlstate
-    if conn.closed or conn.broken:
-        return True
-    return state is not None and (state.startswith("08") or state in _SESSION_ENDED)
-
-
 class Session:
     """One open lock session: its connection, backend pid and the fences it holds."""
 
-    __slots__ = ("conn", "cursor", "ending", "held", "pid", "prepare", "prepared", "swept")
+    __slots__ = ("conn", "cursor", "held", "notice", "pid", "prepare", "prepared", "swept")
 
     def __init__(self, conn: psycopg.Connection[Any], pid: int, prepare: bool = True) -> None:
         self.conn = conn
-        #: Whether the server said it ends the session (see ``has_ended``).
-        self.ending = Ending()
-        conn.add_notice_handler(self.ending)
+        self.notice = end_notice(conn)  #: whether the server said it ends the session
         self.cursor = conn.cursor(binary=True)
         #: The backend pid the session's leases name: 0 (``HANDED_OVER``) with
         #: ``liveness=ttl``, whose statements may each run on another server connection.
@@ -275,7 +228,7 @@ class Client:
         """Drop the lock session if the server ended it or its socket did (caller holds
         ``mutex``, so no statement is under way and anything to read is unasked for)."""
         session = self.session
-        if session is not None and has_ended(session.conn, session.ending):
+        if session is not None and has_ended(session.conn, session.notice):
             extra = fields("session_ended", backend=self.config.url)
             logger.warning("the lock session (backend pid %d) ended", session.pid, extra=extra)
             self.drop()
