@@ -175,7 +175,7 @@ class RedisBackend(LockBackend):
         settings = dict(connection or {})
         nodes = settings.pop("cluster_nodes", None)
         made = Connections if nodes is None else partial(ClusterConnections, nodes=nodes)
-        self._layout = layout = Layout(prefix, buckets)
+        self._layout = layout = Layout(prefix, buckets, cluster=nodes is not None)
         self._client = Client(
             settings, retries, url, made, claims=layout.claims(), check=layout.check_all
         )

@@ -22,18 +22,17 @@ the whole namespace (``history``, ``leases``, ``reap``) then visit every bucket.
 
 Processes whose ``buckets`` differ name one lock by different keys, so both would hold it:
 each process records its count in ``{prefix}:layout`` at its first call (``SET NX GET``),
-and with ``buckets`` > 1 in each bucket's slot too (``{prefix:<b>}:layout``), and one that
-finds another count in any of them refuses to work (:meth:`Layout.check`). The keys go
-when Redis loses its data: a process claims them all again when an acquire meets an epoch
-it has not seen (a new one after the loss, or a bucket's first, which cannot tell a loss
-from a first use), and refuses to acquire while another count is claimed in any
-(``Calls.judge``; each acquire then claims again, so that it works again once the keys
-are its own). To change ``buckets``, stop every process of the namespace and delete those
-keys. In a Redis Cluster a node that loses some of the keys (a flush, a failover to an
-empty replica) leaves the others to speak: a process started since with another count
-is refused by those that survive in its own buckets' slots. Not covered: a loss of every
-one of its keys at once (``{prefix}`` and each of its buckets' slots), while the old
-processes' buckets survive on other nodes, lets both grant one lock
+on a Redis Cluster in the slots ``{prefix:0}`` .. ``{prefix:15}`` too (``Layout.markers``),
+and one that finds another count in any of them refuses to work (:meth:`Layout.check`).
+The keys go when Redis loses its data: a process claims them all again when an acquire
+meets an epoch it has not seen (a new one after the loss, or a bucket's first, which
+cannot tell a loss from a first use), and refuses to acquire while another count is
+claimed in any (``Calls.judge``; each acquire then claims again, so that it works again
+once the keys are its own). To change ``buckets``, stop every process of the namespace and
+delete those keys. A cluster's node that loses some of the keys (a flush, a failover to an
+empty replica) leaves the others to speak: a process started since with another count is
+refused by those that survive. Not covered: the loss of all seventeen at once while an old
+process's bucket beyond the sixteenth survives on another node
 (tests/backends/test_redis_layout_trial.py).
 """
 
@@ -45,7 +44,11 @@ from typing import NamedTuple
 
 from celery_dlock.errors import ConfigurationError
 
-__all__ = ["Layout", "LockNames"]
+__all__ = ["MARKED_BUCKETS", "Layout", "LockNames"]
+
+#: On a Redis Cluster the layout is also recorded in the slots of buckets 0 .. this - 1
+#: (see ``Layout.markers``): the buckets of any split up to this count.
+MARKED_BUCKETS = 16
 
 
 class LockNames(NamedTuple):
@@ -65,7 +68,7 @@ class LockNames(NamedTuple):
 class Layout:
     """Key names for one namespace (``prefix``) split into ``buckets`` hash slots."""
 
-    def __init__(self, prefix: str, buckets: int = 1) -> None:
+    def __init__(self, prefix: str, buckets: int = 1, *, cluster: bool = False) -> None:
         if not prefix or "{" in prefix or "}" in prefix:
             raise ConfigurationError(
                 f"the redis key prefix must be non-empty and hold no braces, not {prefix!r} "
@@ -75,6 +78,8 @@ class Layout:
             raise ConfigurationError(f"buckets must be an integer >= 1, not {buckets!r}")
         self.prefix = prefix
         self.buckets = buckets
+        #: Whether the namespace lives on a Redis Cluster, whose nodes lose data apart.
+        self.cluster = cluster
         self._tags = [self._tag(bucket) for bucket in range(buckets)]
         self._cache: dict[str, LockNames] = {}
 
@@ -85,12 +90,17 @@ class Layout:
 
     @property
     def markers(self) -> tuple[bytes, ...]:
-        """The keys that record it: the marker, and with ``buckets`` > 1 one in each
-        bucket's slot, ``{prefix:<b>}:layout``, which a cluster's node holding some of
-        this namespace's data keeps beside it (the marker's slot is no bucket's)."""
-        if self.buckets == 1:
+        """The keys that record it: the marker, and on a cluster one in the slot of each
+        bucket of any split up to ``MARKED_BUCKETS`` (and of each of this one's beyond),
+        ``{prefix:<b>}:layout``. A single Redis loses its data whole; a cluster's nodes
+        lose theirs apart, and a node that lost the marker leaves these to speak: a
+        process with another split finds the old count in those that survive, whichever
+        of its own buckets were lost, and is refused."""
+        if not self.cluster:
             return (self.marker,)
-        return (self.marker, *(tag + b"layout" for tag in self._tags))
+        spread = max(self.buckets, MARKED_BUCKETS)
+        tags = (b"{%b:%d}:" % (self.prefix.encode(), bucket) for bucket in range(spread))
+        return (self.marker, *(tag + b"layout" for tag in tags))
 
     def claims(self) -> tuple[tuple[bytes, ...], ...]:
         """The commands that record this process's ``buckets`` in each of :attr:`markers`
@@ -108,8 +118,8 @@ class Layout:
         theirs = found.decode(errors="replace") if isinstance(found, bytes) else repr(found)
         where = (marker or self.marker).decode(errors="replace")
         keys = self.marker.decode()
-        if self.buckets > 1:
-            keys += f" and each {{{self.prefix}:<bucket>}}:layout"
+        if self.cluster:
+            keys += f" and each {{{self.prefix}:<n>}}:layout"
         raise ConfigurationError(
             f"the redis namespace {self.prefix!r} is split as {theirs} by another process "
             f"({where}), and as buckets={self.buckets} here: the two would name one lock by "
