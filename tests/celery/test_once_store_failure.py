@@ -84,7 +84,8 @@ def _fails_then_comes_back(charge: Any, backend: Any, schema: str, order: str, k
         result = charge.delay(order)
         # The first attempt took its lease, then failed to read the kept success.
         first = eventually(lambda: backend.history(key=key), "a record of the first attempt", 10)
-        assert backend.get(key) is None  # its lease was released, not left held
+        held = backend.get(key)  # its lease was released, not left held (a retry may hold it)
+        assert held is None or held.token != first[0].lease.token
         connection.execute(f"alter table {successes} rename column away to task_name")
     assert result.get(timeout=30) == f"receipt-{order}"  # re-queued, not failed: work kept
     assert RUNS.count(order) == 1
@@ -92,5 +93,6 @@ def _fails_then_comes_back(charge: Any, backend: Any, schema: str, order: str, k
     assert (record.outcome, record.problem) == (Outcome.RETRIED, "celery_dlock.errors.BackendError")
     assert record.details is not None and "SQLSTATE 42703" in record.details
     ended = sorted(backend.history(key=key), key=lambda r: r.lease.fence)
-    assert [r.outcome for r in ended] == [Outcome.RETRIED, Outcome.SUCCEEDED]
+    # A retry that ran before the column came back failed its lookup too, and was retried.
+    assert [r.outcome for r in ended] == [Outcome.RETRIED] * (len(ended) - 1) + [Outcome.SUCCEEDED]
     assert backend.get(key) is None
