@@ -1,9 +1,12 @@
 """Background renewal of leases that expire, and what happens when one is lost.
 
 A :class:`Renewer` is a real OS thread (not a greenlet: a blocked event loop must not stop
-renewals) that renews a lease every ``ttl / 3`` seconds. It starts when the first renewal is
-due, from one thread per process that keeps the first renewals of every lease: a lease
-released sooner (most task runs) costs no thread of its own. A renewal that returns None means
+renewals) that renews a lease every ``ttl / 3`` seconds. It starts half an interval before
+the first renewal is due (:data:`HEAD_START`), from one thread per process that keeps the
+first renewals of every lease: a lease released sooner (most task runs) costs no thread of
+its own, and a first renewal is not late by the time a thread takes to start (a process
+starting hundreds of them on a loaded CPU started the last ones more than a second late,
+and their leases of a 3 s ttl expired). A renewal that returns None means
 the lease is gone: the renewer marks it lost and calls ``on_lost`` once. A renewal that
 raises (store unreachable) is retried until the lease would have expired by our own
 monotonic clock; then the lease is treated as lost too, since someone else may hold it. So is
@@ -37,6 +40,10 @@ logger = logging.getLogger("celery_dlock.renewal")
 
 #: Longest pause before another try to start a lease's renewal thread that failed to start.
 START_RETRY = 0.1
+
+#: How long before its first renewal is due, as a share of ``ttl / 3``, a lease's renewal
+#: thread is started.
+HEAD_START = 0.5
 
 
 class Renewer:
@@ -80,9 +87,10 @@ class Renewer:
         self._in_flight: float | None = None
 
     def start(self) -> Renewer:
-        """Renew from one ``interval`` on: the thread starts then, if still held."""
+        """Renew from one ``interval`` on; the thread starts :data:`HEAD_START` of an
+        interval sooner, if the lease is still held then."""
         self._granted = time.monotonic()
-        _first_renewals.add(self, self._granted + self.interval)
+        _first_renewals.add(self, self._granted + self.interval * (1 - HEAD_START))
         return self
 
     def _begin(self) -> None:
@@ -129,7 +137,7 @@ class Renewer:
         # The grant (``start``), not one interval before this thread began: the process may
         # have been paused in between, and a lease's life is counted from its grant.
         renewed_at = self._granted
-        wait = 0.0  # the first renewal is due now
+        wait = max(0.0, renewed_at + self.interval - time.monotonic())  # the first renewal
         while not stopping.wait(wait):
             wait = self.interval
             sent = time.monotonic()
@@ -269,8 +277,9 @@ os.register_at_fork(after_in_child=_overdue.forget)
 
 
 class _FirstRenewals:
-    """When each held lease's first renewal is due, in one thread per process, which starts
-    that lease's :class:`Renewer` thread then (a forked child starts its own).
+    """When each held lease's renewal thread is due (:data:`HEAD_START` before its first
+    renewal), in one thread per process, which starts that lease's :class:`Renewer` thread
+    then (a forked child starts its own).
 
     A renewer stopped sooner (most task runs) stays in the heap until its turn, unless the
     stopped outnumber the queued: then the heap is rebuilt without them. So it holds at most
@@ -293,7 +302,7 @@ class _FirstRenewals:
         self._changed = threading.Condition()
         self._pid = 0
         self._wakes = math.inf  # when the thread wakes by itself (guarded by ``_changed``)
-        self._idle = math.inf  # the shortest wait for a first renewal: the empty heap's sleep
+        self._idle = math.inf  # the shortest wait for a thread's start: the empty heap's sleep
 
     def add(self, renewer: Renewer, at: float) -> None:
         with self._changed:
@@ -307,7 +316,7 @@ class _FirstRenewals:
                 atexit.register(_exit)
             renewer._queued = True
             heapq.heappush(self._due, (at, next(self._order), renewer))
-            self._idle = min(self._idle, max(renewer.interval, 0.01))
+            self._idle = min(self._idle, max(renewer.interval * (1 - HEAD_START), 0.01))
             if at < self._wakes:
                 self._changed.notify()
 
@@ -334,7 +343,7 @@ class _FirstRenewals:
             unrenewed._unrenewed()  # outside the heap's lock: it calls on_lost
 
     def _start_due(self, pid: int) -> Renewer | None:
-        """Start the thread of each renewer when its first renewal is due, until this
+        """Start the thread of each renewer when it is due, until this
         process is a forked child (None), or a lease expired before a thread could be
         started for it (its renewer). A thread that cannot be started (out of memory or of
         threads) is tried again shortly: this thread must live on, for the other leases."""

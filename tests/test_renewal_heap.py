@@ -9,6 +9,7 @@ import threading
 
 from celery_dlock import Lock, lock
 from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.records import Lease
 from celery_dlock.renewal import _first_renewals
 from tests.support import eventually
 
@@ -16,6 +17,17 @@ from tests.support import eventually
 def heap_size() -> int:
     """Entries in the first renewals' heap, live and stopped."""
     return len(_first_renewals._due)
+
+
+def renewed(backend: MemoryBackend, lease: Lease) -> Lease:
+    """The stored lease of ``lease``'s key, once it expires later than ``lease``."""
+
+    def later() -> Lease | None:
+        current = backend.get(lease.key)
+        later = current is not None and (current.expires_at or 0) > (lease.expires_at or 0)
+        return current if later else None
+
+    return eventually(later, "the lease renewed")
 
 
 def test_leases_released_before_their_first_renewal_leave_the_heap_bounded() -> None:
@@ -68,14 +80,27 @@ def test_a_lease_due_before_the_threads_next_wake_is_renewed_in_time() -> None:
     held = Lock(backend, "job:quick", ttl=3)
     lease = held.acquire()
     try:
-        renewed = eventually(
-            lambda: [
-                current
-                for current in [backend.get("job:quick")]
-                if current is not None and current.expires_at > lease.expires_at
-            ],
-            "the lease renewed",
+        assert renewed(backend, lease).fence == lease.fence and not held.lost
+    finally:
+        held.release()
+
+
+def test_a_leases_thread_is_started_before_its_first_renewal_is_due() -> None:
+    """Half an interval ahead (``HEAD_START``): a process starting the threads of hundreds
+    of leases on a loaded CPU started the last ones past their first renewal, and leases of
+    a 3 s ttl expired. The thread is found waiting, the lease not renewed yet."""
+    backend = MemoryBackend()
+    held = Lock(backend, "job:ahead", ttl=12)  # renewals due every 4 s; the thread from 2 s
+    lease = held.acquire()
+    try:
+        name = "dlock-renew:job:ahead"
+        eventually(
+            lambda: any(t.name == name for t in threading.enumerate()),
+            "the renewal thread started",
+            timeout=10,
         )
-        assert renewed[0].fence == lease.fence and not held.lost
+        current = backend.get("job:ahead")
+        assert current is not None and current.expires_at == lease.expires_at
+        assert renewed(backend, lease).fence == lease.fence and not held.lost
     finally:
         held.release()
