@@ -117,7 +117,9 @@ def test_an_async_lock_dropped_while_renewed_lets_go_of_its_lease(backend: LockB
     key = fresh_key()
 
     async def scenario() -> Lease:
-        lock = AsyncLock(backend, key, ttl=1.5)
+        # Renewed every 1.5 s: the drop's release must come within the ttl, or it finds the
+        # lease expired (at ttl 1.5 s a loaded CI run recorded `expired`).
+        lock = AsyncLock(backend, key, ttl=4.5)
         lease = await lock.acquire()
         assert renewing(key)
         dropped = weakref.ref(lock)
