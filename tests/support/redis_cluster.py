@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,18 +41,31 @@ class Cluster:
         )
         return done.stdout
 
-    def primary_of(self, key: bytes) -> int:
-        """The port of the primary that serves ``key``'s slot now; 0 while none does (a
-        failover under way)."""
-        slot = int(self.cli(self.ports[0], "CLUSTER", "KEYSLOT", key.decode()).strip())
+    def slot_spans(self) -> list[tuple[int, int, int]]:
+        """The slot ranges served now, as ``(first, last, port of its primary)``."""
+        spans = []
         for line in self.cli(self.ports[0], "CLUSTER", "NODES").splitlines():
             fields = line.split()
             if "master" in fields[2] and "fail" not in fields[2]:
                 for span in fields[8:]:
                     first, _, last = span.partition("-")
-                    if first.isdigit() and int(first) <= slot <= int(last or first):
-                        return _port(fields[1])
-        return 0
+                    if first.isdigit():
+                        spans.append((int(first), int(last or first), _port(fields[1])))
+        return spans
+
+    def primary_of(self, key: bytes) -> int:
+        """The port of the primary that serves ``key``'s slot now; 0 while none does (a
+        failover under way)."""
+        slot = int(self.cli(self.ports[0], "CLUSTER", "KEYSLOT", key.decode()).strip())
+        return _serving(self.slot_spans(), slot)
+
+    def owners(self) -> Callable[[str], int]:
+        """The port of the primary serving a tag's slot, by one read of ``CLUSTER NODES``
+        (for many tags: ``primary_of`` asks the node twice for each)."""
+        from redis.crc import key_slot
+
+        spans = self.slot_spans()
+        return lambda tag: _serving(spans, key_slot(tag.encode()))
 
     def replica_of(self, port: int) -> int:
         """The port of the replica of the primary on ``port``, once a live node knows it (a
@@ -142,6 +156,11 @@ class Cluster:
                 process.kill()
                 process.wait(10)
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _serving(spans: list[tuple[int, int, int]], slot: int) -> int:
+    """The port serving ``slot`` in ``spans`` (``Cluster.slot_spans``), or 0 if none does."""
+    return next((port for first, last, port in spans if first <= slot <= last), 0)
 
 
 def _port(address: str) -> int:
