@@ -137,7 +137,7 @@ class Renewer:
         # The grant (``start``), not one interval before this thread began: the process may
         # have been paused in between, and a lease's life is counted from its grant.
         renewed_at = self._granted
-        wait = max(0.0, renewed_at + self.interval - time.monotonic())  # the first renewal
+        wait = max(0.0, renewed_at + self.interval - time.monotonic())  # to the first renewal
         while not stopping.wait(wait):
             wait = self.interval
             sent = time.monotonic()
@@ -343,10 +343,10 @@ class _FirstRenewals:
             unrenewed._unrenewed()  # outside the heap's lock: it calls on_lost
 
     def _start_due(self, pid: int) -> Renewer | None:
-        """Start the thread of each renewer when it is due, until this
-        process is a forked child (None), or a lease expired before a thread could be
-        started for it (its renewer). A thread that cannot be started (out of memory or of
-        threads) is tried again shortly: this thread must live on, for the other leases."""
+        """Start the thread of each renewer when it is due, until this process is a forked
+        child (None), or a lease expired before a thread could be started for it (its
+        renewer). A thread that cannot be started (out of memory or of threads) is tried
+        again shortly: this thread must live on, for the other leases."""
         while self._pid == pid:
             now = time.monotonic()
             self._wakes = self._due[0][0] if self._due else now + self._idle
