@@ -172,6 +172,25 @@ class Worker:
         return list(reversed(self.store.history(key=key, limit=None)))
 
 
+def settled(worker: Worker) -> None:
+    """Every message sent so far has been taken and ended: nothing reserved, active or due.
+
+    Before a worker's warm shutdown after a soft time limit, too: a job whose result the
+    worker has not read yet when it shuts down gets its soft time limit again (billiard's
+    ``check_timeouts`` in ``on_stop_not_started``), a second SIGUSR1 that can cut the
+    child's write of that result, and the worker then waits on the torn pipe until killed
+    (30 s per such teardown in CI)."""
+    inspect = worker.app.control.inspect(destination=[worker.hostname], timeout=1.0)
+
+    def idle() -> bool:
+        for reply in (inspect.active(), inspect.reserved(), inspect.scheduled()):
+            if not reply or any(reply.values()):
+                return False
+        return worker.app.connection_for_write().default_channel.client.llen(worker.queue) == 0
+
+    eventually(idle, "the worker idle", timeout=60)
+
+
 @contextmanager
 def running(
     tmp: Path, redis_url: str, lock_url: str, kind: type[Worker] = Worker, **env: str

@@ -19,8 +19,8 @@ from celery_dlock import Outcome
 from celery_dlock.celery.dedupe import EXPIRY_GRACE
 from celery_dlock.errors import DuplicateTaskError
 from celery_dlock.records import Lease, Record
-from tests.celery.prefork import running
-from tests.celery.test_replace_trial import TrialWorker, new, outcomes, settled, starts
+from tests.celery.prefork import running, settled
+from tests.celery.test_replace_trial import TrialWorker, new, outcomes, starts
 from tests.cli.clitools import run_cli
 from tests.support import eventually
 
@@ -166,6 +166,7 @@ def test_a_replacement_cut_by_its_soft_time_limit_ends_the_mark_failed(
     assert trial.store.get(f"job:paged:{customer}") is None
     assert outcomes(trial, f"job:paged:{customer}") == [Outcome.SUCCEEDED, Outcome.FAILED]
     assert trial.tasks.paged.delay(customer, 1, 1, {}).id != first.id
+    settled(trial)  # the soft-limited job read by the worker before any shutdown: see settled
 
 
 def test_a_replacement_killed_by_its_hard_time_limit_ends_the_mark_disconnected(

@@ -13,7 +13,7 @@ import pytest
 from celery import Celery, chain
 
 from celery_dlock import Lock, LockedTask, Outcome, backend_from_url, install
-from tests.celery.prefork import Worker, assert_never_overlapping, running
+from tests.celery.prefork import Worker, assert_never_overlapping, running, settled
 from tests.support import eventually
 
 
@@ -53,19 +53,6 @@ def notes(worker: Worker, order: str) -> list[str]:
 
 def outcomes(worker: Worker, key: str) -> list[Outcome]:
     return [record.outcome for record in worker.history(key)]
-
-
-def settled(worker: Worker) -> None:
-    """Every message sent so far has been taken and ended: nothing reserved, active or due."""
-    inspect = worker.app.control.inspect(destination=[worker.hostname], timeout=1.0)
-
-    def idle() -> bool:
-        for reply in (inspect.active(), inspect.reserved(), inspect.scheduled()):
-            if not reply or any(reply.values()):
-                return False
-        return worker.app.connection_for_write().default_channel.client.llen(worker.queue) == 0
-
-    eventually(idle, "the worker idle", timeout=60)
 
 
 pytestmark = pytest.mark.slow

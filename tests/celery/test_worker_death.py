@@ -37,7 +37,7 @@ from celery_dlock.records import Lease
 from tests.backends.stores.redis import URL as REDIS_STORE
 from tests.backends.stores.redis import delete_prefix, store_url
 from tests.celery import embedded_tasks as tasks
-from tests.celery.prefork import Worker, running
+from tests.celery.prefork import Worker, running, settled
 from tests.celery.support import new_run, outcomes
 from tests.support import eventually, force_release
 from tests.support.countingproxy import CountingProxy
@@ -154,6 +154,7 @@ def test_a_soft_time_limit_is_recorded_failed(worker: Worker) -> None:
     assert record.outcome is Outcome.FAILED
     assert record.problem == "billiard.exceptions.SoftTimeLimitExceeded"
     assert record.details is not None and "Traceback" in record.details
+    settled(worker)  # the soft-limited job read by the worker before any shutdown: see settled
 
 
 @pytest.mark.slow
