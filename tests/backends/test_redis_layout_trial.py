@@ -418,3 +418,37 @@ def test_on_a_cluster_every_process_marks_the_slots_of_16_buckets_and_its_own(
         ]
         assert found == [f"buckets={buckets}"] * (spread + 1) + ["", ""], buckets
         backend.close()
+
+
+def test_on_a_cluster_a_process_sends_its_claims_in_one_round_trip_per_node(
+    private_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 17 claims of a process's first connection (``{prefix}:layout`` and 16 buckets'
+    markers) go to their primaries as one batch per node, not one round trip each (17)."""
+    from celery_dlock.backends.redis.client import Connections
+
+    batches: list[tuple[int, int]] = []  # (port, claims) of each batch with a claim
+    send_all = Connections.send_all
+
+    def counted(self: Connections, commands: list[bytes]) -> list[Any]:
+        claims = sum(b":layout\r\n" in command for command in commands)
+        if claims:
+            port = self._make.keywords["port"]  # type: ignore[attr-defined]
+            batches.append((port, claims))
+        return send_all(self, commands)
+
+    monkeypatch.setattr(Connections, "send_all", counted)
+    prefix = f"lr{time.monotonic_ns()}"
+    owner = private_cluster.owners()
+    tags = ["{" + prefix + "}", *(f"{{{prefix}:{n}}}" for n in range(16))]
+    backend = open_backend(cluster_url(private_cluster, prefix, buckets=4))
+    try:
+        assert backend.get("job:a") is None  # connected: claimed
+    finally:
+        backend.close()
+    serving = {owner(tag) for tag in tags}
+    assert sorted(port for port, _ in batches) == sorted(serving)
+    assert sum(claims for _, claims in batches) == len(tags)
+    for tag in tags:
+        got = private_cluster.cli(owner(tag), "GET", f"{tag}:layout").strip()
+        assert got == "buckets=4", tag

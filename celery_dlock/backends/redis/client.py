@@ -289,15 +289,10 @@ class Client:
             raise
 
     def _claim(self, wire: Wire) -> list[Any]:
-        """The replies of the layout's claims on ``wire``: None for one Redis refused (an
-        ACL, a replica), which the doctor reports."""
-        replies = []
-        for claim in self._claims:
-            try:
-                replies.append(wire.call(*claim))
-            except ResponseError:
-                replies.append(None)
-        return replies
+        """The replies of the layout's claims on ``wire``, one round trip per node: None for
+        one Redis refused (an ACL, a replica), which the doctor reports."""
+        packed = [b"*%d\r\n%b" % (len(claim), bulks(claim)) for claim in self._claims]
+        return [None if isinstance(r, ResponseError) else r for r in wire.send_all(packed)]
 
     def claim(self) -> list[Any]:
         """The layout's claims sent again (after a loss of Redis's data): their replies,

@@ -150,12 +150,22 @@ class ClusterConnections:
         return self.send(bulks(args), len(args), timeout)
 
     def send_all(self, commands: list[bytes]) -> list[Any]:
-        """``Connections.send_all`` to the primary of the first command's slot (a batch
-        shares one slot). A command redirected (``MOVED``, ``ASK``) or told to try again
-        (a slot being migrated) is sent again on its own through ``send``; as there, an
-        error reply is returned, not raised."""
-        node = self._route(commands[0].split(b"\r\n", 1)[1])
-        replies = self._node(node).send_all(commands)
+        """``Connections.send_all`` on the primary of each command's slot: one round trip
+        per node for its commands (a batch of one slot: one in all). A command redirected
+        (``MOVED``, ``ASK``) or told to try again (a slot being migrated) is sent again on
+        its own through ``send``; as there, an error reply is returned, not raised."""
+        by_node: dict[Node, list[int]] = {}
+        for at, command in enumerate(commands):
+            by_node.setdefault(self._route(command.split(b"\r\n", 1)[1]), []).append(at)
+        replies: list[Any] = [None] * len(commands)
+        for node, indexes in by_node.items():
+            try:
+                answered = self._node(node).send_all([commands[at] for at in indexes])
+            except (RedisConnectionError, RedisTimeoutError):
+                self._slots = []  # a primary failed: a replica may take its slots
+                raise
+            for at, reply in zip(indexes, answered, strict=True):
+                replies[at] = reply
         for at, reply in enumerate(replies):
             if isinstance(reply, MovedError | AskError | TryAgainError | ClusterDownError):
                 header, body = commands[at].split(b"\r\n", 1)
