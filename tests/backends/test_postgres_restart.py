@@ -354,6 +354,46 @@ def test_a_release_the_crashed_server_refused_is_recorded_lost_at_the_next_relea
     backend.close()
 
 
+@pytest.mark.slow
+def test_idle_sessions_a_crash_restart_ended_are_replaced_before_the_next_acquire(
+    store: tuple[str, Any],
+) -> None:
+    """A crash restart (``-m immediate``, as when another session crashes) tells each
+    session by a WARNING with a shutdown's SQLSTATE (57P01), not by a FATAL: the idle lock
+    sessions, blocking and asyncio, were taken as alive, and the first acquire on each
+    failed with a ``BackendError`` (a producer's ``apply_async`` raised; a worker's task
+    was re-queued). Each is replaced, and the acquire after the restart is granted."""
+    import asyncio
+
+    from celery_dlock import AsyncLock, Lock, Outcome, backend_from_url
+
+    url, checker = store
+    backend = backend_from_url(url)
+    crash = RESTART.replace("-m fast", "-m immediate")
+
+    async def on_a_loop() -> list[Any]:
+        async with AsyncLock(backend, "job:loop:before"):
+            pass  # this loop's session: idle from here
+        with Lock(backend, "job:before"):
+            pass  # the blocking session: idle from here
+        try:
+            restart_server(crash)
+        finally:
+            ensure_server_up()
+        async with AsyncLock(backend, "job:loop:after") as looped:
+            pass
+        with Lock(backend, "job:after") as blocking:
+            pass
+        return [looped, blocking]
+
+    leases = asyncio.run(on_a_loop())
+    assert [lease.key for lease in leases] == ["job:loop:after", "job:after"]
+    for lease in leases:
+        [record] = checker.history(key=lease.key)
+        assert (record.lease.token, record.outcome) == (lease.token, Outcome.SUCCEEDED)
+    backend.close()
+
+
 def _released(backend: Any, lock_type: Any) -> bool:
     from celery_dlock import BackendError
 

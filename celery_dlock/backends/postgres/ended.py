@@ -20,7 +20,9 @@ class EndNotice:
     """A lock session's notice handler: whether the server said it ends the session. A
     session the server ends (``pg_terminate_backend``, a shutdown, an idle timeout) sends a
     FATAL message before it leaves ``pg_stat_activity`` and, a moment later, closes its
-    socket; libpq passes a message that comes while no statement is under way as a notice."""
+    socket; libpq passes a message that comes while no statement is under way as a notice.
+    An immediate shutdown, or the crash of another session (the server then restarts), says
+    it by a WARNING with the SQLSTATE of a shutdown (57P01, 57P02) instead."""
 
     __slots__ = ("said",)
 
@@ -28,7 +30,10 @@ class EndNotice:
         self.said = False
 
     def __call__(self, diagnostic: psycopg.errors.Diagnostic) -> None:
-        if diagnostic.severity_nonlocalized in ("FATAL", "PANIC"):
+        if (
+            diagnostic.severity_nonlocalized in ("FATAL", "PANIC")
+            or diagnostic.sqlstate in _SESSION_ENDED
+        ):
             self.said = True
 
 
