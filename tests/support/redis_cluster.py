@@ -56,12 +56,13 @@ class Cluster:
     def primary_of(self, key: bytes) -> int:
         """The port of the primary that serves ``key``'s slot now; 0 while none does (a
         failover under way)."""
-        slot = int(self.cli(self.ports[0], "CLUSTER", "KEYSLOT", key.decode()).strip())
-        return _serving(self.slot_spans(), slot)
+        from redis.crc import key_slot
+
+        return _serving(self.slot_spans(), key_slot(key))
 
     def owners(self) -> Callable[[str], int]:
         """The port of the primary serving a tag's slot, by one read of ``CLUSTER NODES``
-        (for many tags: ``primary_of`` asks the node twice for each)."""
+        (for many tags: ``primary_of`` reads it for each)."""
         from redis.crc import key_slot
 
         spans = self.slot_spans()
