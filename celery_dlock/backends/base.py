@@ -100,10 +100,17 @@ def hand_over_ttl(ttl: float | None) -> float:
     return seconds
 
 
-def handed_expiry(current: float | None, proposed: float) -> float:
+def handed_expiry(
+    current: float | None, proposed: float, seen: float | None = None, if_unchanged: bool = False
+) -> float:
     """The expiry of a lease handed over: ``proposed``, or its ``current`` one if later (a
-    lease without one gets ``proposed``). See :meth:`LockBackend.hand_over`."""
-    return proposed if current is None else max(current, proposed)
+    lease without one gets ``proposed``); with ``if_unchanged``, its ``current`` one as it
+    is once it is not the ``seen`` one any more. See :meth:`LockBackend.hand_over`."""
+    if current is None:
+        return proposed
+    if if_unchanged and current != seen:
+        return current
+    return max(current, proposed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +272,7 @@ class LockBackend(ABC):
         """Extend ``lease`` to ``ttl`` seconds from now if it is still ours, else None."""
 
     @abstractmethod
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+    def hand_over(self, lease: Lease, ttl: float, if_unchanged: bool = False) -> Lease | None:
         """Keep ``lease`` alive by its ``ttl`` alone from now on, ``ttl`` seconds from now:
         no longer tied to this process or its lock session, it outlives both (a dedupe mark
         is held on behalf of a queued message, not of the producer that sent it). It is
@@ -274,8 +281,14 @@ class LockBackend(ABC):
 
         It never shortens the lease: an expiry later than ``ttl`` from now is kept (a
         worker that took a dedupe mark's message lengthens the mark to ``dedupe_ttl``,
-        sometimes before the producer hands the mark over for the message's shorter
-        ``expires``, which must not undo it). :meth:`renew` shortens.
+        which another's hand-over for a shorter ``expires`` must not undo). :meth:`renew`
+        shortens.
+
+        With ``if_unchanged``, the expiry is set only if it is still ``lease.expires_at``:
+        a lease renewed or handed over since ``lease`` was granted or read keeps the expiry
+        it has (it is handed over all the same). A dedupe mark's producer hands it over so,
+        after its send: a worker that took the message first and set the mark's end (to
+        ``dedupe_ttl``, or shorter, to a replacement's ``expires``) has the last word.
         """
 
     @abstractmethod

@@ -144,18 +144,22 @@ class MemoryBackend(LockBackend):
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         return self._prolong(lease, validate_ttl(ttl), longer=False)
 
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+    def hand_over(self, lease: Lease, ttl: float, if_unchanged: bool = False) -> Lease | None:
         """:meth:`renew` that never shortens: leases here live by their ttl alone."""
-        return self._prolong(lease, hand_over_ttl(ttl), longer=True)
+        return self._prolong(lease, hand_over_ttl(ttl), True, if_unchanged)
 
-    def _prolong(self, lease: Lease, ttl: float | None, longer: bool) -> Lease | None:
+    def _prolong(
+        self, lease: Lease, ttl: float | None, longer: bool, if_unchanged: bool = False
+    ) -> Lease | None:
         with self._changed:
             current = self._current(lease)
             if current is None:
                 return None
             expires_at = expiry(self._clock(), ttl)
             if longer and expires_at is not None:
-                expires_at = handed_expiry(current.expires_at, expires_at)
+                expires_at = handed_expiry(
+                    current.expires_at, expires_at, lease.expires_at, if_unchanged
+                )
             renewed = Lease(
                 current.key,
                 current.token,

@@ -153,11 +153,12 @@ def send(
 
 def _hand_over(mark: Lock, lease: Lease, ttl: float) -> None:
     """The message is on the broker: its mark now lives by ``ttl`` alone, whatever becomes
-    of this process (a script that exits, a web worker recycled). A failure here is logged:
-    the mark then ends after ``SEND_TTL`` or with this process, and a duplicate may be sent
-    before the message runs (the body lock still guards the run)."""
+    of this process (a script that exits, a web worker recycled), unless a worker that took
+    the message first set its end already (:func:`extend_mark`): that end stands. A failure
+    here is logged: the mark then ends after ``SEND_TTL`` or with this process, and a
+    duplicate may be sent before the message runs (the body lock still guards the run)."""
     try:
-        handed = mark.backend.hand_over(lease, ttl)
+        handed = mark.backend.hand_over(lease, ttl, if_unchanged=True)
     except BackendError as exc:
         extra = fields("hand_over_failed", lease)
         logger.error(
@@ -379,8 +380,9 @@ def _dedupe_ttl(task: Any) -> float:
 
 def extend_mark(task: Any, mark: Lease, ttl: float, *, shorten: bool = False) -> None:
     """Make ``mark`` end ``ttl`` seconds from now, by its token: handed over (no earlier
-    than it would, whichever of this and the producer's hand-over comes last), or renewed
-    to ``shorten`` it; a store error is logged (the mark then ends when it would have)."""
+    than it would), or renewed to ``shorten`` it; a producer's hand-over that comes after
+    this leaves the end set here (``hand_over(if_unchanged=True)``). A store error is
+    logged (the mark then ends when it would have)."""
     backend = shared_backend(settings(task.app).backend)
     try:
         (backend.renew if shorten else backend.hand_over)(mark, ttl)

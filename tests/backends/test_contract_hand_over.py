@@ -82,6 +82,65 @@ def test_hand_over_never_shortens_a_lease_but_renew_does(store: StoreCase) -> No
     assert again is not None and again.expires_at == pytest.approx(shortened.expires_at, abs=0.002)
 
 
+def test_hand_over_if_unchanged_sets_the_expiry_of_a_lease_untouched_since_seen(
+    store: StoreCase,
+) -> None:
+    backend = store.backend
+    lease = backend.try_acquire("job:handed-untouched", holder(), 60)
+    assert lease is not None and lease.expires_at is not None
+    handed = backend.hand_over(lease, HANDED_TTL, if_unchanged=True)
+    assert handed is not None and handed.expires_at is not None
+    assert handed.expires_at > lease.expires_at + HANDED_TTL - 120
+    held = backend.get("job:handed-untouched")
+    assert held is not None and held.expires_at == pytest.approx(handed.expires_at, abs=0.002)
+
+
+def test_hand_over_if_unchanged_keeps_an_expiry_set_since_the_lease_was_seen(
+    store: StoreCase,
+) -> None:
+    """A dedupe mark's producer hands it over after its send; a worker that took the message
+    first may have shortened the mark already (to a replacement's ``expires``) or lengthened
+    it: either end stands. Before, a late hand-over put back the producer's hour."""
+    backend = store.backend
+    lease = backend.try_acquire("job:handed-changed", holder(), 60)
+    assert lease is not None
+    shortened = backend.renew(lease, 30)  # the worker's, first
+    assert shortened is not None and shortened.expires_at is not None
+    late = backend.hand_over(lease, HANDED_TTL, if_unchanged=True)  # the producer's, late
+    assert late is not None and late.token == lease.token
+    assert late.expires_at == pytest.approx(shortened.expires_at, abs=0.002)
+    held = backend.get("job:handed-changed")
+    assert held is not None and held.expires_at == pytest.approx(shortened.expires_at, abs=0.002)
+    longer = backend.hand_over(shortened, HANDED_TTL)  # a worker's, from what it read
+    assert longer is not None and longer.expires_at is not None
+    assert longer.expires_at > shortened.expires_at + HANDED_TTL - 120
+    assert backend.hand_over(lease, 5, if_unchanged=True) is not None
+    kept = backend.get("job:handed-changed")
+    assert kept is not None and kept.expires_at == pytest.approx(longer.expires_at, abs=0.002)
+    again = backend.hand_over(kept, 7200, if_unchanged=True)  # seen as it is: it is set
+    assert again is not None and again.expires_at is not None
+    assert again.expires_at > longer.expires_at + 3000
+
+
+def test_a_lease_handed_over_unchanged_after_a_renewal_outlives_its_killed_process(
+    store: StoreCase,
+) -> None:
+    """A hand-over that keeps the expiry a renewal set still hands the lease over: it no
+    longer lives or dies with its process or lock session, but by that expiry."""
+    url = needs_processes(store)
+    backend = store.backend
+    key = "job:handed-after-renewal"
+    process, handed = spawn_holder(url, key, 60, hand_over=HANDED_TTL, renew_first=40)
+    assert handed.expires_at is not None and handed.expires_at < time.time() + 41
+    kill(process)
+    time.sleep(0.5)  # for the server to see the session end
+    assert backend.try_acquire(key, holder(), None) is None
+    assert backend.reap() == []  # alive by its ttl: not disconnected
+    held = backend.get(key)
+    assert held is not None and held.token == handed.token
+    assert held.expires_at == pytest.approx(handed.expires_at, abs=0.002)
+
+
 def test_hand_over_of_a_lease_no_longer_ours_is_none(store: StoreCase) -> None:
     backend = store.backend
     lease = backend.try_acquire("job:handed-gone", holder(), None)

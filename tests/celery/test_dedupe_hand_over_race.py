@@ -23,7 +23,7 @@ from celery import Celery
 from celery.signals import before_task_publish
 
 from celery_dlock import Lease, LockedTask, Outcome
-from celery_dlock.celery.dedupe import DEDUPE_HEADER, EXPIRY_GRACE, mark_key
+from celery_dlock.celery.dedupe import DEDUPE_HEADER, EXPIRY_GRACE, extend_mark, mark_key
 from celery_dlock.celery.settings import backend_for
 from tests.celery.test_dedupe_retry_race import DEDUPE_TTL, app
 
@@ -57,6 +57,37 @@ def test_the_producers_late_hand_over_keeps_the_mark_a_worker_lengthened(app: Ce
     assert mark.expires_at is not None
     assert mark.expires_at - time.time() > DEDUPE_TTL - 60  # was 30 + EXPIRY_GRACE
     assert EXPIRY_GRACE < 60
+
+
+def test_the_producers_late_hand_over_keeps_the_mark_a_worker_shortened(app: Celery) -> None:
+    """Found by CI (``test_a_replacement_with_expires_that_no_worker_sees_lets_the_next_call_
+    send``): a worker ran the first page and handed the mark to its replacement, sent with
+    ``expires=2``, shortening the mark to that; the producer's hand-over came after it and
+    put back ``dedupe_ttl``, so the mark outlived the replacement that expired unseen by an
+    hour. The producer's hand-over now leaves an end a worker set."""
+
+    @app.task(base=LockedTask, lock_key="paged:{who}", dedupe="until_finished", shared=False)
+    def paged(who: str) -> None: ...
+
+    shortened: list[Lease] = []
+
+    def a_worker_replaces_it(sender: str, headers: dict[str, Any], **_: Any) -> None:
+        if sender == paged.name and not shortened:  # as replacing.hand_mark does
+            mark = Lease.from_dict(headers[DEDUPE_HEADER])
+            extend_mark(paged, mark, 2 + EXPIRY_GRACE, shorten=True)
+            shortened.append(mark)
+
+    who = uuid.uuid4().hex[:10]
+    before_task_publish.connect(a_worker_replaces_it, weak=False)
+    try:
+        sent = paged.apply_async((who,))  # its mark: dedupe_ttl
+    finally:
+        before_task_publish.disconnect(a_worker_replaces_it)
+    [handed] = shortened
+    mark = backend_for(app).get(mark_key(f"job:paged:{who}", paged.name))
+    assert mark is not None and mark.token == handed.token and mark.holder.task_id == sent.id
+    assert mark.expires_at is not None
+    assert mark.expires_at - time.time() < 2 + EXPIRY_GRACE  # was DEDUPE_TTL
 
 
 def test_a_mark_a_worker_released_before_the_hand_over_is_not_reported(

@@ -15,13 +15,21 @@ HOLD = Path(__file__).parent / "hold.py"
 
 
 def spawn_holder(
-    url: str, key: str, ttl: float | None = None, hand_over: float | None = None
+    url: str,
+    key: str,
+    ttl: float | None = None,
+    hand_over: float | None = None,
+    renew_first: float | None = None,
 ) -> tuple[subprocess.Popen[str], Lease]:
     """Start ``hold.py`` on ``url`` and return it with the lease it holds on ``key``
-    (handed over to live by ``hand_over`` seconds alone, if given)."""
+    (handed over to live by ``hand_over`` seconds alone, if given; after a renewal to
+    ``renew_first`` seconds, if given, and then ``if_unchanged``)."""
     args = [sys.executable, str(HOLD), url, key, "-" if ttl is None else str(ttl)]
     if hand_over is not None:
         args.append(str(hand_over))
+    if renew_first is not None:
+        assert hand_over is not None, "renew_first is for a hand-over after a renewal"
+        args.append(str(renew_first))
     process = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()

@@ -301,7 +301,7 @@ class FileBackend(LockBackend):
             state.write(state.fence, renewed)
             return renewed
 
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+    def hand_over(self, lease: Lease, ttl: float, if_unchanged: bool = False) -> Lease | None:
         """Keep ``lease`` alive by its ttl alone, never shortened: its holder no longer names
         a process that could be judged gone (an empty host id), so it outlives this one."""
         seconds = hand_over_ttl(ttl)
@@ -312,7 +312,7 @@ class FileBackend(LockBackend):
             holder = dataclasses.replace(current.holder, host_id="")
             handed = Lease(
                 current.key, current.token, current.fence, holder, current.acquired_at,
-                handed_expiry(current.expires_at, now + seconds),
+                handed_expiry(current.expires_at, now + seconds, lease.expires_at, if_unchanged),
             )  # fmt: skip
             state.write(state.fence, handed)
             return handed

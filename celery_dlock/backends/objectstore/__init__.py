@@ -314,11 +314,13 @@ class ObjectStoreBackend(LockBackend):
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
         return self._prolong(lease, validate_ttl(self.default_ttl if ttl is None else ttl))
 
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+    def hand_over(self, lease: Lease, ttl: float, if_unchanged: bool = False) -> Lease | None:
         """:meth:`renew` that never shortens: leases here live by their ttl alone."""
-        return self._prolong(lease, hand_over_ttl(ttl), longer=True)
+        return self._prolong(lease, hand_over_ttl(ttl), True, if_unchanged)
 
-    def _prolong(self, lease: Lease, ttl: float | None, longer: bool = False) -> Lease | None:
+    def _prolong(
+        self, lease: Lease, ttl: float | None, longer: bool = False, if_unchanged: bool = False
+    ) -> Lease | None:
         self.doubts.settle(self._end)
         state = self._ours(lease)
         name = self.layout.lock(lease.key)
@@ -331,7 +333,9 @@ class ObjectStoreBackend(LockBackend):
                 return None
             expires_at = None if ttl is None else us(now.high + ttl)
             if longer and expires_at is not None:
-                expires_at = handed_expiry(state.lease.expires_at, expires_at)
+                expires_at = handed_expiry(
+                    state.lease.expires_at, expires_at, lease.expires_at, if_unchanged
+                )
             renewed = replace(state.lease, expires_at=expires_at)
             written, found = self.objects.write_state(name, state, state.key, state.fence, renewed)
             if written is not None:

@@ -99,9 +99,12 @@ class Statements:
         )
         self._recording(n)
         self.hand_over = (
-            "-- hand_over: key, token, ttl | (acquired_at, expires_at, advisory lock let go) "
-            "of the lease, alive by its ttl alone, never shortened; no row when not ours\n"
-            f"UPDATE {n.locks} SET expires_at = GREATEST(expires_at, {_TTL}), backend_pid = "
+            "-- hand_over: key, token, ttl, if_unchanged, seen | (acquired_at, expires_at, "
+            "advisory lock let go) of the lease, alive by its ttl alone, never shortened (with "
+            "if_unchanged, its expiry kept unless still the one seen); no row when not ours\n"
+            f"UPDATE {n.locks} SET expires_at = CASE WHEN %(if_unchanged)s AND expires_at IS NOT "
+            f"NULL AND {_epoch('expires_at')} IS DISTINCT FROM %(seen)s::float8 THEN expires_at "
+            f"ELSE GREATEST(expires_at, {_TTL}) END, backend_pid = "
             f"{HANDED_OVER} WHERE key = %(key)s AND token = %(token)s "
             "AND (expires_at IS NULL OR expires_at > clock_timestamp()) "
             f"RETURNING {_epoch('acquired_at')}, {_epoch('expires_at')}, "

@@ -269,11 +269,17 @@ class PostgresStore(LockBackend):
             return None
         return Lease(lease.key, lease.token, lease.fence, lease.holder, row[0], row[1])
 
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+    def hand_over(self, lease: Lease, ttl: float, if_unchanged: bool = False) -> Lease | None:
         """Keep ``lease`` alive by its ttl alone: its row no longer names a session and this
         session lets go of its advisory lock, so the lease outlives this process."""
         seconds = hand_over_ttl(ttl)
-        params = {"key": lease.key, "token": lease.token, "ttl": seconds}
+        params = {
+            "key": lease.key,
+            "token": lease.token,
+            "ttl": seconds,
+            "if_unchanged": if_unchanged,
+            "seen": lease.expires_at,
+        }
         client = self._clients.get()
         with client.mutex:
             if lease.fence in client.lost:

@@ -290,9 +290,9 @@ class RedisBackend(LockBackend):
         reply = self._client.run(RENEW, count, tail, operation="renew", key=lease.key)
         return self.calls.renewed(lease, reply)
 
-    def hand_over(self, lease: Lease, ttl: float) -> Lease | None:
+    def hand_over(self, lease: Lease, ttl: float, if_unchanged: bool = False) -> Lease | None:
         """:meth:`renew` that never shortens: leases here live by their ttl alone."""
-        count, tail = self.calls.renew_call(lease, hand_over_ttl(ttl), hand_over=True)
+        count, tail = self.calls.renew_call(lease, hand_over_ttl(ttl), True, if_unchanged)
         reply = self._client.run(RENEW, count, tail, operation="hand_over", key=lease.key)
         return self.calls.renewed(lease, reply)
 

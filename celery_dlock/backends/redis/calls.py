@@ -267,12 +267,19 @@ class Calls:
         return Record(lease, float(released), outcome, problem, details, result)
 
     def renew_call(
-        self, lease: Lease, ttl: float | None, hand_over: bool = False
+        self, lease: Lease, ttl: float | None, hand_over: bool = False, if_unchanged: bool = False
     ) -> tuple[int, bytes]:
-        """Part count and packed tail of a ``RENEW`` (of a ``hand_over``: never shorter)."""
+        """Part count and packed tail of a ``RENEW`` (of a ``hand_over``: never shorter; with
+        ``if_unchanged``, only while its expiry is still ``lease``'s, in milliseconds)."""
         ttl = validate_ttl(self.default_ttl if ttl is None else ttl)
-        args = [lease.token, "" if ttl is None else ms(ttl), "1" if hand_over else ""]
-        return self._segment_count(5) + 3, self._segment(lease.key, 5) + bulks(args)
+        seen = lease.expires_at
+        args = [
+            lease.token,
+            "" if ttl is None else ms(ttl),
+            "1" if hand_over else "",
+            "-" if seen is None else round(seen * 1000) if if_unchanged else "",
+        ]
+        return self._segment_count(5) + 4, self._segment(lease.key, 5) + bulks(args)
 
     @staticmethod
     def renewed(lease: Lease, reply: Any) -> Lease | None:

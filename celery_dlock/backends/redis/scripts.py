@@ -380,8 +380,10 @@ return f[14] .. ' ' .. f[12]
 RENEW = _script(
     "renew",
     """
--- renew: ARGV +4 key, token, ttl ms or '', '1': a hand_over (never shorter) | 'exp' or 0
-local key, token, ttl = ARGV[4], ARGV[5], ARGV[6]
+-- renew: ARGV +4 key, token, ttl ms or '', '1': a hand_over (never shorter), the expiry
+-- seen in ms (or '-': none) for a hand_over only while it is still that one, or ''
+-- | 'exp' or 0
+local key, token, ttl, seen = ARGV[4], ARGV[5], ARGV[6], ARGV[8]
 if redis.call('GET', KEYS[1]) ~= token then
   -- Never revive a lock Redis expired (nor send PEXPIRE 0, which deletes): record it.
   if redis.call('HGET', KEYS[2], 'tok') == token then
@@ -391,6 +393,13 @@ if redis.call('GET', KEYS[1]) ~= token then
 end
 if ARGV[7] == '1' and redis.call('PTTL', KEYS[1]) > tonumber(ttl) then
   return redis.call('HGET', KEYS[2], 'exp')
+end
+if seen ~= nil and seen ~= '' then
+  local exp = redis.call('HGET', KEYS[2], 'exp')
+  -- Renewed or handed over since it was seen: its expiry stands.
+  if exp and exp ~= '' and (seen == '-' or math.floor(exp * 1000 + 0.5) ~= tonumber(seen)) then
+    return exp
+  end
 end
 local exp = ''
 local exp_ms = nil
