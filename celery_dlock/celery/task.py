@@ -37,7 +37,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import busy, dedupe, once, replacing, signals
+from celery_dlock.celery import busy, dedupe, once, replacing, signals, softlimit
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, replaced_by, replacement, stored_result
@@ -262,6 +262,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             run = functools.partial(self._run_locked, request, args, kwargs)
             return dedupe.run_marked(self, mark, run)
         finally:
+            softlimit.lift()  # the lock released: a soft limit held back since the body ended
             if direct:
                 self.pop_request()
                 _task_stack.pop()
@@ -337,11 +338,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
         if previous is not None and (previous := once.step(self, lock, previous)) is not None:
             return once.replay(lock, previous, self.request)
         try:
-            if raising is None:
-                result = self.run(*args, **kwargs)
-            else:
-                with raising:
-                    result = self.run(*args, **kwargs)
+            result = softlimit.run_body(self, args, kwargs, raising)
         except Retry as exc:
             self._retrying(lock, exc)
             raise

@@ -72,6 +72,13 @@ def soft(self: Any, order_id: str) -> dict[str, Any]:
     return _body(self, 5)
 
 
+@locked_task(
+    app, "w.soft_release", lock_key="soft-release:{order_id}", once=True, soft_time_limit=2.0
+)
+def soft_release(self: Any, order_id: str) -> dict[str, Any]:
+    return _body(self, 1.0)  # ends before its soft limit; its release may not
+
+
 @locked_task(app, "w.hard", lock_key="hard:{order_id}", time_limit=1.0)
 def hard(self: Any, order_id: str) -> dict[str, Any]:
     return _body(self, 10)
