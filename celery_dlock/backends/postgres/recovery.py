@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
+from psycopg.pq import TransactionStatus
 
 from celery_dlock.backends.postgres import rows
 from celery_dlock.backends.postgres.calls import Release
@@ -45,6 +46,14 @@ def using_session(client: Client, url: str, what: str) -> Iterator[Session]:
             raise translate(exc, what, url) from exc
         client.drop()
         raise SessionEnded(f"postgres {what}: the lock session ended", url) from exc
+    except BaseException:
+        # Raised while a statement was under way (a Celery soft time limit comes as one):
+        # its result is never read, and every later statement on the session would fail
+        # with "another command is already in progress". Dropped, as if it had ended: its
+        # leases are lost (the server ends them with the connection), a new one opens.
+        if session.conn.pgconn.transaction_status == TransactionStatus.ACTIVE:
+            client.drop()
+        raise
 
 
 def _translated(ended: SessionEnded, what: str, url: str) -> Exception:
