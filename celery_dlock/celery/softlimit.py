@@ -9,17 +9,19 @@ would cut that release: a lease left held with its holder alive, a ``once`` succ
 kept, a dedupe mark not ended. From the body's end until the task's call returns, a soft
 limit is held back: logged, not raised, since the body ended before it.
 
-Only in the main thread of a pool child whose SIGUSR1 handler is billiard's, and only for a
-task with a soft time limit (the message's, the task's, or the worker's): two
-``signal.signal`` calls per such task, none for the others.
+In a pool child (its SIGUSR1 handler is billiard's), the first task's end puts a handler
+in front of billiard's that passes the signal on unless it is held back; holding and
+letting go then cost a flag each, for every task (a child does not know whether the
+worker gives its jobs a soft limit: ``--soft-time-limit`` is the parent's). Anywhere else
+(another pool, a direct call, a thread) nothing changes.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -34,18 +36,43 @@ logger = logging.getLogger("celery_dlock.task")
 _SIGNAL = getattr(signal, "SIGUSR1", None)
 
 
-class _Held:
-    """SIGUSR1 held back for ``task``: the times it came while held."""
+class _Guard:
+    """This process's guard: whether it is in front of billiard's handler (None: not
+    looked yet; False: not a pool child's main thread, nothing to do), and what it holds."""
 
-    def __init__(self, task: Any) -> None:
-        self.task = task
+    def __init__(self) -> None:
+        self.installed: bool | None = None
+        self.main = threading.main_thread().ident
+        self.task: Any = None  # the task whose soft limit is held back, while it is
         self.came = 0
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.came += 1
+        if self.task is not None:
+            self.came += 1
+            return
+        soft_timeout_sighandler(signum, frame)  # raises SoftTimeLimitExceeded
+
+    def install(self) -> bool:
+        """Put this guard in front of billiard's handler, in a pool child's main thread."""
+        self.installed = (
+            _SIGNAL is not None
+            and threading.get_ident() == self.main
+            and signal.getsignal(_SIGNAL) is soft_timeout_sighandler
+        )
+        if self.installed:
+            signal.signal(_SIGNAL, self)  # type: ignore[arg-type]  # installed: _SIGNAL set
+        return bool(self.installed)
 
 
-_held: list[_Held] = []  # at most one: a process runs one task body at a time
+_guard = _Guard()
+
+
+def _forked() -> None:
+    global _guard
+    _guard = _Guard()  # a child starts without the parent's: its handlers are the parent's
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], raising: Any) -> Any:
@@ -61,38 +88,25 @@ def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], raising: 
 
 
 def _hold(task: Any) -> None:
-    if _held or _SIGNAL is None or not _soft_limited(task):
-        return
-    if threading.current_thread() is not threading.main_thread():
-        return
-    if signal.getsignal(_SIGNAL) is not soft_timeout_sighandler:
-        return  # not a pool child of billiard's, or a handler of the user's own
-    held = _Held(task)
-    signal.signal(_SIGNAL, held)
-    _held.append(held)
-
-
-def _soft_limited(task: Any) -> bool:
-    """Whether ``task``'s request runs under a soft time limit, as the worker gives it: the
-    message's, else the task's, else the worker's (``task_soft_time_limit``)."""
-    limits = getattr(task.request, "timelimit", None)
-    soft = limits[1] if isinstance(limits, (tuple, list)) and len(limits) == 2 else None
-    return bool(soft or task.soft_time_limit or task.app.conf.task_soft_time_limit)
+    guard = _guard
+    installed = guard.install() if guard.installed is None else guard.installed
+    if installed and guard.task is None and threading.get_ident() == guard.main:
+        guard.task = task
 
 
 def lift() -> None:
-    """Give SIGUSR1 back to billiard's handler; a soft limit that came while held is logged."""
-    if not _held:
+    """Let a soft limit through again; one that came while held back is logged."""
+    guard = _guard
+    if guard.task is None or threading.get_ident() != guard.main:
         return
-    held = _held.pop()
-    restore: Callable[..., Any] = soft_timeout_sighandler
-    signal.signal(_SIGNAL, restore)  # type: ignore[arg-type]  # _held: _SIGNAL is set
-    if held.came:
-        request = held.task.request
+    task, came = guard.task, guard.came
+    guard.task, guard.came = None, 0
+    if came:
+        task_id = getattr(task.request, "id", None)
         logger.warning(
             "the soft time limit of %s[%s] came after its body had ended, while its lock was "
             "released: held back, not raised",
-            held.task.name,
-            getattr(request, "id", None),
-            extra=fields("soft_limit_held", task_id=getattr(request, "id", None)),
+            task.name,
+            task_id,
+            extra=fields("soft_limit_held", task_id=task_id),
         )

@@ -1,13 +1,16 @@
 """A soft time limit that comes after the body ended, while its lock is being released: the
-release and its record are not cut (``celery_dlock.celery.softlimit``). Here the release is
-held up while the body runs (a row lock on the lease's row in Postgres, the ``flock`` of
-its key's file in the file store), so that the soft limit's SIGUSR1 comes in the middle of
-it, on a real prefork worker."""
+release and its record are not cut (``celery_dlock.celery.softlimit``). On a real prefork
+worker the release is held up while the body runs (a row lock on the lease's row in
+Postgres, the ``flock`` of its key's file in the file store), so that the soft limit's
+SIGUSR1 comes in the middle of it. In this process, as in a pool child (billiard's SIGUSR1
+handler, the main thread), the memory store's clock sends the signal from inside a call."""
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,9 +18,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
+from billiard.pool import soft_timeout_sighandler
+from celery import Celery
 
+from celery_dlock import LockedTask, install
 from celery_dlock.backends.file import FileBackend
+from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.backends.naming import file_name
+from celery_dlock.celery import softlimit
 from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
@@ -73,3 +82,70 @@ def test_a_soft_time_limit_that_comes_while_the_lock_is_released_does_not_cut_it
         worker.log.read_text()
     ), "the soft limit did not come during the release: the test proved nothing"
     settled(worker)
+
+
+class SignalClock:
+    """A wall clock that, once armed, sends this process SIGUSR1 when next read: from inside
+    the store call that reads it."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def __call__(self) -> float:
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return time.time()
+
+
+@pytest.fixture
+def pool_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's main thread as a pool child's: billiard's SIGUSR1 handler, no guard."""
+    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    monkeypatch.setattr(softlimit, "_guard", softlimit._Guard())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.usefixtures("pool_child")
+def test_in_a_pool_child_a_soft_limit_is_held_back_in_the_release_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = SignalClock()
+    url = f"memory://soft-{uuid.uuid4().hex[:8]}"
+    store = MemoryBackend.from_url(url, clock=clock)
+    app = Celery("soft", set_as_current=False)
+    app.conf.update(dlock_backend=url)
+    install(app, janitor=False)
+
+    @app.task(shared=False, base=LockedTask, name="s.pay", lock_key="pay:{n}", once=True)
+    def pay(n: int, limit_in_body: bool = False) -> str:
+        if limit_in_body:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)  # the limit's exception comes first
+        clock.armed = True  # the next read of the store's clock: in the release
+        return f"paid {n}"
+
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        assert pay(1) == "paid 1"
+    assert clock.armed is False, "the store's clock was not read in the release"
+    [record] = store.history(key="job:pay:1")
+    assert record.outcome is Outcome.SUCCEEDED
+    assert store.get("job:pay:1") is None
+    kept = store.last_success("job:pay:1", "s.pay")  # once: kept, so never run again
+    assert kept is not None and kept.lease.token == record.lease.token
+    [line] = [r for r in caplog.records if "soft time limit of s.pay" in r.getMessage()]
+    assert getattr(line, "event", None) == "soft_limit_held"
+    with pytest.raises(SoftTimeLimitExceeded):  # in the body, the limit still raises
+        pay(2, limit_in_body=True)
+    [failed] = store.history(key="job:pay:2")
+    assert (failed.outcome, failed.problem) == (
+        Outcome.FAILED,
+        "billiard.exceptions.SoftTimeLimitExceeded",
+    )
+    clock.armed = False
+    with pytest.raises(SoftTimeLimitExceeded):  # and after the task, once let through
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(1)
