@@ -24,21 +24,15 @@ from celery_dlock.backends.base import LockBackend, Place, remembered, validate_
 from celery_dlock.errors import (
     BackendError,
     ConfigurationError,
+    DLockError,
     LockLostError,
     LockNotAcquiredError,
     LockTimeoutError,
 )
 from celery_dlock.events import fields
 from celery_dlock.keys import slot_keys, validate_key, validate_limit
-from celery_dlock.process import abandon, held, shared_backend
-from celery_dlock.records import (
-    Holder,
-    Lease,
-    Outcome,
-    Record,
-    check_metadata,
-    new_token,
-)
+from celery_dlock.process import abandon, abandon_grant, held, shared_backend
+from celery_dlock.records import Holder, Lease, Outcome, Record, check_metadata, new_token
 from celery_dlock.releasing import Ending, end_block
 from celery_dlock.renewal import Renewer, report_lost
 
@@ -178,13 +172,12 @@ class Lock:
         place: Place | None = None  # in the store's queue of the key's waiters, if it has one
         try:
             while True:
-                lease = self._try(holder, replace, place)
+                lease = self._try(holder, replace, place)  # held once it returns one
                 if lease is not None:
                     metrics.waited(holder.task_name, time.monotonic() - began)
                     if replace is not None:
                         held().discard(replace)  # taken over: kept no longer
-                    self.took(lease, place)  # the place is used up, or left for another slot
-                    place = None
+                    place = None  # used up, or left for another slot (took)
                     return lease
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -205,14 +198,21 @@ class Lock:
 
     def _try(self, holder: Holder, replace: str | None, place: Place | None) -> Lease | None:
         """One attempt at the key, or at each slot in a random order (the slot of the lease
-        ``replace`` names first)."""
+        ``replace`` names first): the lease, held (:meth:`took`), or None. An exception
+        raised meanwhile (a soft time limit) releases what the store may have granted."""
         started = time.perf_counter()
         try:
             lease = self._try_slots(holder, replace, place)
+            metrics.store_call(self.backend.name, "acquire", started)
+            if lease is not None:
+                self.took(lease, place)
         except BackendError:
             metrics.store_error(self.backend.name, "acquire")
             raise
-        metrics.store_call(self.backend.name, "acquire", started)
+        except BaseException as exc:
+            if self._lease is None and not isinstance(exc, DLockError):
+                abandon_grant(self.backend, self.slots, holder, exc)
+            raise
         return lease
 
     def _try_slots(self, holder: Holder, replace: str | None, place: Place | None) -> Lease | None:
@@ -238,10 +238,7 @@ class Lock:
         up or left as in :meth:`took`."""
         if self._lease is not None:
             raise ConfigurationError(f"lock {self.key!r} is already held by this Lock object")
-        lease = self._try(self.next_holder(), None, place)
-        if lease is not None:
-            self.took(lease, place)
-        return lease
+        return self._try(self.next_holder(), None, place)
 
     def took(self, lease: Lease, place: Place | None = None) -> None:
         """Hold ``lease``, taken by one's own call to the store (:class:`AsyncLock`'s

@@ -13,15 +13,16 @@ import logging
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.common import ProcessLocal
 from celery_dlock.errors import DLockError
 from celery_dlock.events import fields
-from celery_dlock.records import Lease, Outcome, Record
+from celery_dlock.records import Holder, Lease, Outcome, Record
 
-__all__ = ["abandon", "held", "release_all", "shared_backend"]
+__all__ = ["abandon", "abandon_grant", "held", "release_all", "shared_backend"]
 
 logger = logging.getLogger("celery_dlock")
 
@@ -192,6 +193,35 @@ def abandon(token: str, why: str) -> Record | None:
     warnings.warn(message, ResourceWarning, stacklevel=2)
     logger.warning("%s", message, extra=extra)
     return record
+
+
+def abandon_grant(
+    backend: LockBackend, keys: Sequence[str], holder: Holder, exc: BaseException
+) -> list[Record]:
+    """Release what the store may have granted ``holder`` on ``keys`` while ``exc`` cut the
+    attempt: an exception raised between the store's grant and its holder's hold (a Celery
+    soft time limit, an interrupt) would leave the key held by nobody in a process that
+    lives on (on Postgres and the file store, until it ends). A lease of ``holder`` (its
+    nonce) is released ``abandoned``; failures are logged."""
+    records = []
+    for key in keys:
+        try:
+            lease = backend.get(key)
+            if lease is None or lease.holder.nonce != holder.nonce:
+                continue
+            why = f"its acquisition was cut by {type(exc).__name__} after the store granted it"
+            record = backend.release(lease, Outcome.ABANDONED, type(exc).__name__, why)
+        except DLockError as error:
+            extra = fields(
+                "release_failed", key=key, outcome=Outcome.ABANDONED, backend=backend.url
+            )
+            logger.error("cannot look for a lease granted on %s: %s", key, error, extra=extra)
+            continue
+        if record is not None:
+            extra = fields("abandoned", lease, outcome=Outcome.ABANDONED, backend=backend.url)
+            logger.warning("lock on %r (fence %d) %s", key, lease.fence, why, extra=extra)
+            records.append(record)
+    return records
 
 
 def _at_exit() -> None:

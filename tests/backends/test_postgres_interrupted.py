@@ -6,11 +6,12 @@ the rest of the process's life: a worker child that could take no lock again. Th
 is now dropped as if it had ended, and a new one opens for the next call.
 
 Each test holds a statement up with a row lock taken by another connection, and cuts it
-with a SIGALRM whose handler raises, in a schema of its own.
+with a signal whose handler raises, in a schema of its own.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -49,15 +50,17 @@ def row_locked(schema: str, key: str) -> Iterator[None]:
 
 
 def cut_after(seconds: float, call: Callable[[], Any]) -> None:
-    """Run ``call``, cut by :class:`Cut` after ``seconds``; it must be cut."""
-    previous = signal.signal(signal.SIGALRM, _raise)
+    """Run ``call``, cut by :class:`Cut` after ``seconds`` (a SIGUSR2 from a timer thread:
+    pytest-timeout has SIGALRM); it must be cut."""
+    previous = signal.signal(signal.SIGUSR2, _raise)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR2))
     try:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
+        timer.start()
         with pytest.raises(Cut):
             call()
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
 
 
 @pytest.fixture(params=[{}, {"liveness": "ttl", "ttl": 30}], ids=["session", "ttl"])
