@@ -69,7 +69,7 @@ _guard = _Guard()
 
 def _forked() -> None:
     global _guard
-    _guard = _Guard()  # a child starts without the parent's: its handlers are the parent's
+    _guard = _Guard()  # a pool child looks again: billiard installs its handler after the fork
 
 
 os.register_at_fork(after_in_child=_forked)
