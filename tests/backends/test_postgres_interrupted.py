@@ -23,10 +23,12 @@ import pytest
 
 from celery_dlock import Holder, Lease, Outcome
 from tests.backends.stores.postgres import SERVER_URL, admin_connection, schema_store
+from tests.support import eventually
 
 pytest.importorskip("psycopg")
 
 from celery_dlock.backends.postgres import PostgresBackend
+from celery_dlock.backends.postgres.sql import Names
 
 
 class Cut(Exception):
@@ -49,18 +51,20 @@ def row_locked(schema: str, key: str) -> Iterator[None]:
         admin.close()
 
 
-def cut_after(seconds: float, call: Callable[[], Any]) -> None:
+def cut_after(seconds: float, call: Callable[[], Any]) -> Cut:
     """Run ``call``, cut by :class:`Cut` after ``seconds`` (a SIGUSR2 from a timer thread:
-    pytest-timeout has SIGALRM); it must be cut."""
+    pytest-timeout has SIGALRM); it must be cut. Returns the exception (with its traceback,
+    as Celery keeps a failed task's)."""
     previous = signal.signal(signal.SIGUSR2, _raise)
     timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR2))
     try:
         timer.start()
-        with pytest.raises(Cut):
+        with pytest.raises(Cut) as cut:
             call()
     finally:
         timer.cancel()
         signal.signal(signal.SIGUSR2, previous)
+    return cut.value
 
 
 @pytest.fixture(params=[{}, {"liveness": "ttl", "ttl": 30}], ids=["session", "ttl"])
@@ -174,3 +178,34 @@ def test_threads_of_the_session_keep_working_while_the_main_thread_is_cut(
     thread.start()
     thread.join(30)
     assert errors == []
+
+
+def test_a_wait_cut_while_the_server_waits_leaves_the_keys_queue(
+    backend: PostgresBackend,
+) -> None:
+    """The waiter connection of a cut wait still waited on the server, first in the key's
+    queue, while its place was alive (until the exception and its traceback were dropped):
+    the next waiters of the key, queued behind it, fell back to polling after a release
+    (measured with a probe: 70-370 ms from the release to the next grant, against 4-8 ms).
+    The cut connection is now closed: its place in the queue ends with the release."""
+    key = "job:cut-wait"
+    lease = backend.try_acquire(key, Holder.current(), None)
+    assert lease is not None
+    cut = cut_after(0.3, lambda: backend.wait(key, 10))
+    assert backend.release(lease, Outcome.SUCCEEDED) is not None
+    admin = admin_connection()
+    try:
+        queue = Names(backend.schema, "").key_space("queue") & 0xFFFFFFFF
+
+        def queue_free() -> bool:
+            [row] = admin.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 "
+                "AND classid = %s::oid AND objid = (hashtext(%s)::int8 & 4294967295)::oid",
+                (queue, key),
+            ).fetchall()
+            return int(row[0]) == 0
+
+        eventually(queue_free, "the cut waiter's place in the key's queue ended", timeout=10)
+    finally:
+        admin.close()
+    assert cut.__traceback__ is not None  # kept alive until here, as Celery keeps it

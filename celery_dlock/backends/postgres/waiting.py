@@ -65,6 +65,13 @@ def wait(
         if exc.sqlstate not in ("55P03", "57014"):
             raise translate(exc, "wait", url) from exc
         return None
+    except BaseException:
+        # Cut while the server waits (a Celery soft time limit comes as an exception): the
+        # answer is never read, and until the place was collected the server kept waiting
+        # in the key's queue, so the next waiters fell back to polling. Leaving closes the
+        # connection (its statement is still under way), which ends that wait at once.
+        waiting.leave()
+        raise
     return waiting
 
 
