@@ -4,6 +4,7 @@ behalf of a queued message, not of the producer that sent it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -120,6 +121,20 @@ def test_hand_over_if_unchanged_keeps_an_expiry_set_since_the_lease_was_seen(
     again = backend.hand_over(kept, 7200, if_unchanged=True)  # seen as it is: it is set
     assert again is not None and again.expires_at is not None
     assert again.expires_at > longer.expires_at + 3000
+
+
+def test_a_renewal_renews_whatever_expiry_its_lease_object_names(store: StoreCase) -> None:
+    """Only a hand-over ``if_unchanged`` looks at the expiry it was given: a renewal from a
+    lease object whose expiry is not the stored one (none, here) renews all the same. On
+    Redis the hand-over's condition once leaked into every renewal of such an object."""
+    backend = store.backend
+    lease = backend.try_acquire("job:renew-any", holder(), 30)
+    assert lease is not None
+    renewed = backend.renew(dataclasses.replace(lease, expires_at=None), 600)
+    assert renewed is not None and renewed.expires_at is not None
+    held = backend.get("job:renew-any")
+    assert held is not None and held.expires_at == pytest.approx(renewed.expires_at, abs=0.002)
+    assert lease.expires_at is not None and held.expires_at > lease.expires_at + 500
 
 
 def test_a_lease_handed_over_unchanged_after_a_renewal_outlives_its_killed_process(

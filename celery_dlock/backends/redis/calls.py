@@ -277,7 +277,7 @@ class Calls:
             lease.token,
             "" if ttl is None else ms(ttl),
             "1" if hand_over else "",
-            "-" if seen is None else round(seen * 1000) if if_unchanged else "",
+            ("-" if seen is None else round(seen * 1000)) if if_unchanged else "",
         ]
         return self._segment_count(5) + 4, self._segment(lease.key, 5) + bulks(args)
 
