@@ -9,12 +9,9 @@ The reply is held back by a proxy (``drop_next_reply``), which sends the signal 
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -25,19 +22,12 @@ from tests.backends.stores.postgres import SERVER_URL, schema_store, with_option
 from tests.backends.stores.redis import URL as REDIS_URL
 from tests.backends.stores.redis import delete_prefix, store_url
 from tests.support.countingproxy import CountingProxy
-
-
-class Cut(Exception):
-    """What the signal raises, as billiard's handler raises ``SoftTimeLimitExceeded``."""
-
-
-def _raise(signum: int, frame: Any) -> None:
-    raise Cut
+from tests.support.cuts import Cut, cut_me, cutting
 
 
 def _signal_me() -> None:
     """From the proxy's thread, while the client waits for the reply held back."""
-    os.kill(os.getpid(), signal.SIGUSR2)
+    cut_me()
     time.sleep(0.3)  # the main thread raises before the connection is cut
 
 
@@ -83,13 +73,10 @@ def _cut_acquire(proxied: LockBackend, direct: LockBackend, proxy: CountingProxy
     warm.acquire()
     warm.release()
     lock = Lock(proxied, key, ttl=30)
-    previous = signal.signal(signal.SIGUSR2, _raise)
-    try:
+    with cutting():
         proxy.drop_next_reply(then=_signal_me)
         with pytest.raises(Cut):
             lock.acquire()
-    finally:
-        signal.signal(signal.SIGUSR2, previous)
     assert proxy.dropped == 1, "the grant's reply was not the one held back"
     assert lock.lease is None
     [record] = direct.history(key=key)

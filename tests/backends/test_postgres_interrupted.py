@@ -11,60 +11,22 @@ with a signal whose handler raises, in a schema of its own.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
 from celery_dlock import Holder, Lease, Outcome
 from tests.backends.stores.postgres import SERVER_URL, admin_connection, schema_store
 from tests.support import eventually
+from tests.support.cuts import cut_after
+from tests.support.services import row_locked
 
 pytest.importorskip("psycopg")
 
 from celery_dlock.backends.postgres import PostgresBackend
 from celery_dlock.backends.postgres.sql import Names
-
-
-class Cut(Exception):
-    """What the alarm raises, as billiard's handler raises ``SoftTimeLimitExceeded``."""
-
-
-def _raise(signum: int, frame: Any) -> None:
-    raise Cut
-
-
-@contextmanager
-def row_locked(schema: str, key: str) -> Iterator[None]:
-    """``key``'s lease row locked by another connection until the block ends."""
-    admin = admin_connection()
-    try:
-        with admin.transaction():
-            admin.execute(f'SELECT FROM "{schema}".locks WHERE key = %s FOR UPDATE', (key,))
-            yield
-    finally:
-        admin.close()
-
-
-def cut_after(seconds: float, call: Callable[[], Any]) -> Cut:
-    """Run ``call``, cut by :class:`Cut` after ``seconds`` (a SIGUSR2 from a timer thread:
-    pytest-timeout has SIGALRM); it must be cut. Returns the exception (with its traceback,
-    as Celery keeps a failed task's)."""
-    previous = signal.signal(signal.SIGUSR2, _raise)
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR2))
-    try:
-        timer.start()
-        with pytest.raises(Cut) as cut:
-            call()
-    finally:
-        timer.cancel()
-        signal.signal(signal.SIGUSR2, previous)
-    return cut.value
 
 
 @pytest.fixture(params=[{}, {"liveness": "ttl", "ttl": 30}], ids=["session", "ttl"])

@@ -30,7 +30,7 @@ from celery_dlock.celery import softlimit
 from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
-from tests.support.services import postgres_admin
+from tests.support.services import row_locked
 
 #: The task's soft time limit (tests/celery/workerapp.py: its body takes 1 s).
 SOFT_LIMIT = 2.0
@@ -49,14 +49,8 @@ def release_held_up(worker: Worker, key: str) -> Iterator[None]:
         finally:
             os.close(fd)
         return
-    admin = postgres_admin()
-    try:
-        with admin.transaction():
-            locks = f'"{store.schema}".locks'
-            admin.execute(f"SELECT FROM {locks} WHERE key = %s FOR UPDATE", (key,))
-            yield
-    finally:
-        admin.close()
+    with row_locked(store.schema, key):
+        yield
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tests.support import eventually, unavailable
@@ -30,6 +32,19 @@ def postgres_admin() -> Any:
         return psycopg.connect(POSTGRES_URL, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
         unavailable(f"PostgreSQL is not reachable at {POSTGRES_URL}: {exc}".strip())
+
+
+@contextmanager
+def row_locked(schema: str, key: str) -> Iterator[None]:
+    """``key``'s lease row in ``schema`` locked by another connection until the block ends:
+    the store's statements on that row (a release, a renewal, a take-over) wait."""
+    admin = postgres_admin()
+    try:
+        with admin.transaction():
+            admin.execute(f'SELECT FROM "{schema}".locks WHERE key = %s FOR UPDATE', (key,))
+            yield
+    finally:
+        admin.close()
 
 
 def drop_schema(admin: Any, schema: str) -> None:
