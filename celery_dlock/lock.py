@@ -184,6 +184,10 @@ class Lock:
                     raise self.busy_error(limit)
                 pause = POLL * random.uniform(0.5, 1.0)
                 place = self.wait_once(pause if remaining is None else min(pause, remaining), place)
+        except BaseException as exc:  # after it was held (a soft limit): given back, abandoned
+            if self._lease is not None and self._lease.holder.nonce == holder.nonce:
+                abandon_grant(self.backend, [self.detach().key], holder, exc)
+            raise
         finally:
             if place is not None:
                 place.leave()

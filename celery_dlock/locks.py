@@ -83,6 +83,10 @@ class Locks(KeySet[Lock]):
                 if pause is None:
                     raise busy.busy_error(limit)
                 place = self.backend.wait(busy.key, pause, place)  # another key's is left
+        except BaseException as exc:  # a key held before it came (a soft limit): let go
+            held = [lock for lock in self.locks if lock.lease is not None]
+            self._let_go(held, Outcome.FAILED, *describe_exception(exc))
+            raise
         finally:
             if place is not None:
                 place.leave()
@@ -91,20 +95,15 @@ class Locks(KeySet[Lock]):
         """One try at every key, in the order of the next try, ``place`` given to its key's
         try: the busy Lock (with nothing held), or None; and the place if it is still the
         caller's."""
-        taken: list[Lock] = []
-        try:
-            for lock in self._order():
-                mine = place if place is not None and place.key == lock.key else None
-                if lock.attempt(mine) is None:
-                    self._let_go(taken, *self._busy(lock, taken))
-                    return lock, place
-                if mine is not None:
-                    place = None  # used up by the key it queued for
-                taken.append(lock)
-        except BaseException as exc:
-            problem, details = describe_exception(exc)
-            self._let_go(taken, Outcome.FAILED, problem, details)
-            raise
+        taken: list[Lock] = []  # an exception meanwhile: what is held is let go (acquire)
+        for lock in self._order():
+            mine = place if place is not None and place.key == lock.key else None
+            if lock.attempt(mine) is None:
+                self._let_go(taken, *self._busy(lock, taken))
+                return lock, place
+            if mine is not None:
+                place = None  # used up by the key it queued for
+            taken.append(lock)
         return None, place
 
     @staticmethod
