@@ -296,8 +296,6 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
         f"finished on {where}",
     )
     expires = getattr(task.request, "expires", None)
-    if expires is not None:
-        extend_mark(task, mark, _dedupe_ttl(task))
     started = False
     held: set[str] = set()  # the tokens of this attempt's body leases
 
@@ -313,6 +311,8 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     task.request.dlock_on_held = on_held
     task.request.dlock_mark = mark  # for a replacement it may go on with (replacing.py)
     try:
+        if expires is not None:
+            extend_mark(task, mark, _dedupe_ttl(task))
         result = run()
         if not started:  # on_locked="skip" or a callable: the body never ran
             ended = (Outcome.SKIPPED, f"its body did not run on {where}: the key was busy")
@@ -400,8 +400,9 @@ def _run_until_started(task: Any, mark: Lease, run: Callable[[], Any], where: st
     def on_held() -> None:
         nonlocal started
         if not started:
-            started = True
-            if not may_start(task, mark, where, release=True):
+            may = may_start(task, mark, where, release=True)
+            started = True  # the mark ended: cut before, it is ended as before a start
+            if not may:
                 end_revoked(task, mark, where)
 
     task.request.dlock_on_held = on_held

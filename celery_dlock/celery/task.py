@@ -296,32 +296,32 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             )
         else:
             lock = Locks(current.backend, keys, ttl, self.lock_wait, holder=holder, on_lost=on_lost)
-        try:
-            if single:
-                lock.acquire(replace=header(request, RETRY_HEADER))
-            else:
-                lock.acquire()
-        except LockNotAcquiredError as exc:
-            if not busy.after_predecessor(self, lock, exc):
-                return busy.apply_policy(self, lock, exc)
-        except BackendError as exc:
-            if current.on_backend_error == "run":
-                logger.warning(
-                    "lock store failed for %s, running %s[%s] UNLOCKED "
-                    "(dlock_on_backend_error='run'): %s",
-                    lock.key,
-                    self.name,
-                    holder.task_id,
-                    exc,
-                    extra=fields("ran_unlocked", key=lock.key, task_id=holder.task_id),
-                )
-                self._started(request)
-                return self.run(*args, **kwargs)
-            busy.store_failed(self, exc)  # backing off as for a busy key
-        request.dlock_lock = lock
-        try:
+        try:  # an exception before the body's own ending (a soft limit) releases the lease
+            try:
+                lock.acquire(replace=header(request, RETRY_HEADER)) if single else lock.acquire()
+            except LockNotAcquiredError as exc:
+                if not busy.after_predecessor(self, lock, exc):
+                    return busy.apply_policy(self, lock, exc)
+            except BackendError as exc:
+                if current.on_backend_error == "run":
+                    logger.warning(
+                        "lock store failed for %s, running %s[%s] UNLOCKED "
+                        "(dlock_on_backend_error='run'): %s",
+                        lock.key,
+                        self.name,
+                        holder.task_id,
+                        exc,
+                        extra=fields("ran_unlocked", key=lock.key, task_id=holder.task_id),
+                    )
+                    self._started(request)
+                    return self.run(*args, **kwargs)
+                busy.store_failed(self, exc)  # backing off as for a busy key
+            request.dlock_lock = lock
             self._started(request)
             return self._body(lock, args, kwargs, interrupter)
+        except BaseException as exc:
+            self._finish(lock, outcome_of(exc), exc)  # none held any more: nothing
+            raise
         finally:
             request.dlock_lock = None
 
