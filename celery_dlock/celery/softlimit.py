@@ -9,15 +9,18 @@ would cut that release: a lease left held with its holder alive, a ``once`` succ
 kept, a dedupe mark not ended. From the body's end until the task's call returns, a soft
 limit is held back: logged, not raised, since the body ended before it.
 
-In a pool child (its SIGUSR1 handler is billiard's), the first task's end puts a handler
+In a pool child (its SIGUSR1 handler is billiard's), the first task's start puts a handler
 in front of billiard's that passes the signal on unless it is held back; holding and
 letting go then cost a flag each, for every task (a child does not know whether the
-worker gives its jobs a soft limit: ``--soft-time-limit`` is the parent's). Anywhere else
-(another pool, a direct call, a thread) nothing changes.
+worker gives its jobs a soft limit: ``--soft-time-limit`` is the parent's). It also holds
+a limit that comes inside a store's step that must not be cut (``celery_dlock.critical``)
+back until that step ends, and raises it there. Anywhere else (another pool, a direct
+call, a thread) nothing changes.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -27,9 +30,10 @@ from typing import Any
 
 from billiard.pool import soft_timeout_sighandler
 
+from celery_dlock import critical
 from celery_dlock.events import fields
 
-__all__ = ["lift", "run_body"]
+__all__ = ["lift", "ready", "run_body"]
 
 logger = logging.getLogger("celery_dlock.task")
 
@@ -50,6 +54,10 @@ class _Guard:
         if self.task is not None:
             self.came += 1
             return
+        regions = critical.state
+        if regions.depth:  # inside a step that must not be cut: raised as it ends
+            regions.pending = functools.partial(soft_timeout_sighandler, signum, None)
+            return
         soft_timeout_sighandler(signum, frame)  # raises SoftTimeLimitExceeded
 
     def install(self) -> bool:
@@ -61,6 +69,7 @@ class _Guard:
         )
         if self.installed:
             signal.signal(_SIGNAL, self)  # type: ignore[arg-type]  # installed: _SIGNAL set
+            critical.state.guarded = True
         return bool(self.installed)
 
 
@@ -73,6 +82,13 @@ def _forked() -> None:
 
 
 os.register_at_fork(after_in_child=_forked)
+
+
+def ready() -> None:
+    """At a task's start: in a pool child, the guard in front of billiard's handler (from
+    the first task on, so that the store's regions are guarded: ``celery_dlock.critical``)."""
+    if _guard.installed is None:
+        _guard.install()
 
 
 def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], raising: Any) -> Any:

@@ -249,6 +249,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # The worker's tracer pushed the real request before calling us; a direct call
         # did not, and gets the same minimal request Task.__call__ would give it.
+        softlimit.ready()  # in a pool child: the store's steps guarded from here on
         request = self.request
         direct = request.called_directly
         if direct:

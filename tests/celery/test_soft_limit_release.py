@@ -22,7 +22,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from billiard.pool import soft_timeout_sighandler
 from celery import Celery
 
-from celery_dlock import LockedTask, install
+from celery_dlock import LockedTask, critical, install
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.backends.naming import file_name
@@ -97,6 +97,7 @@ def pool_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """This process's main thread as a pool child's: billiard's SIGUSR1 handler, no guard."""
     previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
     monkeypatch.setattr(softlimit, "_guard", softlimit._Guard())
+    monkeypatch.setattr(critical, "state", critical._State())  # guarded by its first task
     try:
         yield
     finally:

@@ -91,3 +91,28 @@ def arm_cut(function: Callable[..., Any], after: int = 0) -> list[str]:
 
     sys.setprofile(profile)
     return fired
+
+
+@contextmanager
+def signal_on_entry(function: Callable[..., Any], signum: int = CUT_SIGNAL) -> Iterator[list[str]]:
+    """As the first call of ``function`` in this thread starts, send this process
+    ``signum`` (:data:`CUT_SIGNAL`: inside a :func:`cutting` block), whose handler runs at
+    once, as a signal that comes there: it raises on the way into ``function``, or, if it
+    holds the signal back, ``function`` runs."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        raise TypeError(f"{function!r} is not a Python function")
+    sent: list[str] = []
+    previous = sys.getprofile()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code and not sent:
+            sent.append(code.co_qualname)
+            sys.setprofile(previous)
+            os.kill(os.getpid(), signum)
+
+    sys.setprofile(profile)
+    try:
+        yield sent
+    finally:
+        sys.setprofile(previous)

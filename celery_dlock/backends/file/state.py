@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import unquote
 
+from celery_dlock import critical
 from celery_dlock.backends.file.history import Segment, open_private
 from celery_dlock.backends.naming import file_name
 from celery_dlock.errors import BackendError
@@ -71,13 +72,14 @@ class Local:
         # flock belongs to an open file description, which all our threads share through
         # the descriptor cache: a second thread's flock would succeed at once. One mutex
         # per stripe of keys keeps our own threads apart; flock keeps processes apart.
-        self.stripes = [threading.Lock() for _ in range(_STRIPES)]
+        # Reentrant for its owner check: see Locked.__enter__.
+        self.stripes = [threading.RLock() for _ in range(_STRIPES)]
         self.fds: OrderedDict[str, int] = OrderedDict()
         #: Descriptors evicted from ``fds`` while their stripe was held: closed later.
         self.evicted: list[tuple[str, int]] = []
         self.memo: dict[str, Memo] = {}
 
-    def stripe(self, key: str) -> threading.Lock:
+    def stripe(self, key: str) -> Any:
         return self.stripes[hash(key) % _STRIPES]
 
     def open(self, key: str) -> int:
@@ -113,10 +115,14 @@ class Local:
     def _close_evicted(self) -> None:
         kept = []
         for key, fd in self.evicted:
-            if self.stripe(key).locked():
+            stripe = self.stripe(key)
+            if not stripe.acquire(blocking=False):  # another thread's: it may use ``fd``
                 kept.append((key, fd))
-            else:
+                continue
+            try:  # free, or this thread's, which is at another key: ``fd`` is unused
                 os.close(fd)
+            finally:
+                stripe.release()
         self.evicted = kept
 
     def drop(self, key: str, fd: int) -> None:
@@ -186,9 +192,12 @@ class Locked:
         self.fd = -1
 
     def __enter__(self) -> Locked:
-        local, key = self.local, self.key
-        self.mutex.acquire()
+        # A soft time limit held back until __exit__ has let go (a cut on its way in would
+        # leave the flock held) and the change and its records are both written.
+        critical.enter()
+        local, key, mutex = self.local, self.key, self.mutex
         try:
+            mutex.acquire()
             while True:
                 fd = self.fd = local.open(key)
                 try:
@@ -196,26 +205,30 @@ class Locked:
                 except OSError as exc:
                     message = f"cannot lock the file of {key!r}: {exc}"
                     raise BackendError(message, local.url) from exc
-                try:
-                    # Deleted since we opened it, by reap() or by hand (a /tmp cleaner, an
-                    # operator): its flock is no one else's, so the new file must be used.
-                    if os.fstat(fd).st_nlink > 0:
-                        data = os.pread(fd, PAGE, 0)
-                        self.size = len(data)
-                        memo = local.memo.get(key)
-                        if memo is not None and memo[0] == data:  # the usual case, inline
-                            _, self.fence, self.lease, self.lease_json, self.spill = memo
-                            return self
-                        if self._read(data):
-                            return self
-                except BaseException:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                    raise
+                # Deleted since we opened it, by reap() or by hand (a /tmp cleaner, an
+                # operator): its flock is no one else's, so the new file must be used.
+                if os.fstat(fd).st_nlink > 0:
+                    data = os.pread(fd, PAGE, 0)
+                    self.size = len(data)
+                    memo = local.memo.get(key)
+                    if memo is not None and memo[0] == data:  # the usual case, inline
+                        _, self.fence, self.lease, self.lease_json, self.spill = memo
+                        return self
+                    if self._read(data):
+                        return self
                 # Deleted after we opened it (or marked collected): open the new one.
                 fcntl.flock(fd, fcntl.LOCK_UN)
+                self.fd = -1
                 local.drop(key, fd)
         except BaseException:
-            self.mutex.release()
+            # An exception can come between any two steps (a signal's handler raises it: a
+            # Celery soft time limit), after the stripe or the flock was taken and before
+            # the next statement: what this thread holds is known by the stripe's owner.
+            if mutex._is_owned():  # type: ignore[attr-defined]  # the C RLock's (Condition uses it)
+                if self.fd >= 0:  # a flock not taken yet: unlocking it changes nothing
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
+                mutex.release()
+            critical.leave()
             raise
 
     def __exit__(self, *exc_info: object) -> None:
@@ -223,6 +236,7 @@ class Locked:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
         finally:
             self.mutex.release()
+            critical.leave()
 
     def _read(self, data: bytes) -> bool:
         """Take the state from ``data``, the file's first page, which is not the state this

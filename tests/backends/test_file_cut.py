@@ -1,0 +1,150 @@
+"""The file store's step cut by an exception that a signal's handler raises (a Celery soft
+time limit) while it holds a key's stripe mutex and ``flock``. Found by sweeping a soft
+limit over every call of a LockedTask's run: a cut on the way into ``Locked.__exit__`` (a
+Python function: the interpreter looks for signals on the way into every one) left both
+held, so every later call of the process on a key of that stripe waited forever, and every
+other process on that key. In a pool child, a soft limit inside such a step is now held back
+until the step has let go, and raised then (``celery_dlock.critical``). And a cut right
+after the stripe mutex was taken, before the statement that frees it on an error, now
+finds it by its owner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from billiard.exceptions import SoftTimeLimitExceeded
+from billiard.pool import soft_timeout_sighandler
+
+from celery_dlock import Holder, Outcome, critical
+from celery_dlock.backends.file import FileBackend
+from celery_dlock.backends.file.state import Locked
+from celery_dlock.celery import softlimit
+from tests.support.cuts import CUT_SIGNAL, Cut, cutting, signal_on_entry
+
+WAIT = 10.0
+
+
+def _in_a_thread(call: Callable[[], object]) -> list[object]:
+    """``[call()]`` from another thread, or ``[]`` if it did not return within ``WAIT``."""
+    done: list[object] = []
+    thread = threading.Thread(target=lambda: done.append(call()), daemon=True)
+    thread.start()
+    thread.join(WAIT)
+    return done
+
+
+def _read_elsewhere(url: str, key: str) -> str:
+    """The key read by another process (a shared flock): its holder's token, or None."""
+    code = (
+        "import sys; from celery_dlock.backends.file import FileBackend as B; "
+        "lease = B.from_url(sys.argv[1]).get(sys.argv[2]); print(lease and lease.token)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, url, key],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=WAIT,
+    )
+    return done.stdout.strip()
+
+
+@pytest.fixture
+def pool_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's main thread as a pool child's once it ran a task: billiard's SIGUSR1
+    handler, guarded."""
+    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    monkeypatch.setattr(softlimit, "_guard", softlimit._Guard())
+    monkeypatch.setattr(critical, "state", critical._State())
+    try:
+        softlimit.ready()
+        assert critical.state.guarded
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+@pytest.mark.usefixtures("pool_child")
+@pytest.mark.parametrize("step", ["try_acquire", "release"])
+def test_a_soft_limit_as_a_step_lets_go_of_its_key_is_raised_after_it(
+    tmp_path: Path, step: str
+) -> None:
+    url = f"file://{tmp_path}"
+    backend = FileBackend.from_url(url)
+    key = f"job:cut-{uuid.uuid4().hex[:6]}"
+    try:
+        lease = None if step == "try_acquire" else backend.try_acquire(key, Holder.current(), 30)
+        cut = signal_on_entry(Locked.__exit__, signal.SIGUSR1)
+        with cut as sent, pytest.raises(SoftTimeLimitExceeded):
+            if lease is None:
+                backend.try_acquire(key, Holder.current(), 30)
+            else:
+                backend.release(lease, Outcome.SUCCEEDED)
+        assert sent == [Locked.__exit__.__qualname__]
+        assert critical.state.depth == 0
+        read = _in_a_thread(lambda: backend.get(key))
+        assert read, "the stripe is still held"
+        [now] = read
+        if step == "try_acquire":  # the step was done whole: granted, then the limit raised
+            assert now is not None
+            assert _read_elsewhere(url, key) == now.token  # the flock free
+            assert backend.release(now, Outcome.ABANDONED) is not None
+        else:  # released, and recorded
+            assert now is None
+            assert _read_elsewhere(url, key) == "None"
+            [record] = backend.history(key=key)
+            assert record.outcome is Outcome.SUCCEEDED
+    finally:
+        backend.close()
+
+
+def test_a_cut_right_after_the_stripe_mutex_was_taken_frees_it(tmp_path: Path) -> None:
+    """The signal's handler runs in the main thread where it next looks, which is just after
+    the stripe mutex's ``acquire`` returns: the signal is sent while the main thread waits
+    for that mutex (held by another thread), with the main thread blocking it, so that the
+    other thread takes it and the handler's look comes only once the wait is over."""
+    url = f"file://{tmp_path}"
+    backend = FileBackend.from_url(url)
+    key = f"job:cut-{uuid.uuid4().hex[:6]}"
+    stripe = backend._files.get().stripe(key)
+    taken, waiting = threading.Event(), threading.Event()
+
+    def hold_the_stripe() -> None:
+        with stripe:
+            taken.set()
+            waiting.wait(WAIT)
+            os.kill(os.getpid(), CUT_SIGNAL)  # comes to this thread: the main one blocks it
+
+    other = threading.Thread(target=hold_the_stripe, daemon=True)
+    try:
+        with cutting():
+            other.start()  # before the mask, which a new thread inherits
+            assert taken.wait(WAIT)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_SIGNAL})
+            try:
+                threading.Timer(0.2, waiting.set).start()  # once the main thread waits
+                with pytest.raises(Cut) as cut:
+                    backend.try_acquire(key, Holder.current(), 30)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {CUT_SIGNAL})
+        assert _frames(cut.value)[-1] == "__enter__"  # raised there, just after the acquire
+        other.join(WAIT)
+        assert _in_a_thread(lambda: backend.get(key)) == [None], "the stripe is still held"
+        assert _read_elsewhere(url, key) == "None"
+    finally:
+        backend.close()
+
+
+def _frames(exc: BaseException) -> list[str]:
+    """The functions ``exc`` went through, innermost last, but for the handler's own."""
+    names = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
+    return names[:-1] if names[-1] == "_raise" else names
