@@ -40,6 +40,7 @@ from celery.worker import state as worker_state
 from celery.worker.control import Panel
 from celery.worker.request import Request
 
+from celery_dlock import metrics
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.busy import RETRY_HEADER, header
 from celery_dlock.celery.settings import settings
@@ -335,7 +336,10 @@ def may_start(task: Any, mark: Lease, where: str, *, release: bool) -> bool:
         _await_revoker(backend, mark.key + REVOKING)
         if release:
             why = f"started by {where}"
-            if Lock(backend, mark.key).end(mark, Outcome.DEQUEUED, None, why) is not None:
+            # No Lock for this: a soft limit on the way into a dropped Lock's __del__ is
+            # swallowed (an exception there is only printed), and this runs in every task.
+            if (ended := backend.release(mark, Outcome.DEQUEUED, None, why)) is not None:
+                metrics.released(ended)
                 return True
         elif (current := backend.get(mark.key)) is not None and current.token == mark.token:
             return True
