@@ -35,7 +35,7 @@ from billiard.exceptions import WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
-from celery_dlock.celery import dedupe, revoking
+from celery_dlock.celery import dedupe, revoking, softlimit
 from celery_dlock.celery.dedupe import body_leases, end_mark, mark_of
 from celery_dlock.celery.settings import enable_metrics, settings
 from celery_dlock.errors import BackendError, DLockError
@@ -74,7 +74,16 @@ def connect() -> None:
         celery_signals.worker_shutdown.connect(_shutting_down, weak=False)
         celery_signals.worker_init.connect(revoking.install, weak=False)
         celery_signals.worker_init.connect(_metrics_if_asked, weak=False)
+        celery_signals.task_prerun.connect(_guard_from_the_first_task, weak=False)
         _connected.set()
+
+
+def _guard_from_the_first_task(**_: Any) -> None:
+    """In a pool child, the soft limit's guard in place as its first task starts, whatever
+    the task (a plain one that takes ``celery_dlock.lock`` on the file store: its steps are
+    guarded too); then this handler goes."""
+    softlimit.ready()
+    celery_signals.task_prerun.disconnect(_guard_from_the_first_task)
 
 
 def _metrics_if_asked(sender: Any = None, **_: Any) -> None:

@@ -21,12 +21,13 @@ import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from billiard.pool import soft_timeout_sighandler
 from celery import Celery
+from celery.signals import task_prerun
 
 from celery_dlock import LockedTask, critical, install
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.backends.naming import file_name
-from celery_dlock.celery import softlimit
+from celery_dlock.celery import signals, softlimit
 from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
@@ -144,3 +145,24 @@ def test_in_a_pool_child_a_soft_limit_is_held_back_in_the_release_only(
     with pytest.raises(SoftTimeLimitExceeded):  # and after the task, once let through
         os.kill(os.getpid(), signal.SIGUSR1)
         time.sleep(1)
+
+
+@pytest.mark.usefixtures("pool_child")
+def test_in_a_pool_child_any_first_task_puts_the_guard_in_place() -> None:
+    """A plain task (one that takes ``celery_dlock.lock`` itself, say) as a child's first:
+    from then on a soft limit inside a store's step that must not be cut waits for its end
+    (``celery_dlock.critical``). The handler that does it goes after the first task."""
+    app = Celery("soft-first", set_as_current=False)
+    install(app, janitor=False)
+    task_prerun.connect(signals._guard_from_the_first_task, weak=False)  # as in a new child
+
+    @app.task(shared=False, name="s.plain")
+    def plain() -> int:
+        return 1
+
+    assert not critical.state.guarded
+    assert plain.apply().get() == 1
+    assert softlimit._guard.installed is True
+    assert critical.state.guarded
+    handler = signals._guard_from_the_first_task  # connected strongly: kept as it is
+    assert all(receiver is not handler for _, receiver in task_prerun.receivers)
