@@ -55,36 +55,21 @@ def cut_after(seconds: float, call: Callable[[], Any]) -> Cut:
     return cut.value
 
 
-@contextmanager
-def cut_on_entry(function: Callable[..., Any], after: int = 0) -> Iterator[list[str]]:
-    """Inside the block, the first call of ``function`` in this thread (the first after
-    ``after`` calls) raises :class:`Cut` as it starts, where a signal's handler raises on
-    the way into a function: a cut at a chosen point between two steps, deterministic
-    where a timed signal is not. Yields a list that holds the function's name once cut."""
-    previous = sys.getprofile()
-    fired = arm_cut(function, after)
-    try:
-        yield fired
-    finally:
-        sys.setprofile(previous)
-
-
-def arm_cut(function: Callable[..., Any], after: int = 0) -> list[str]:
-    """:func:`cut_on_entry` for the calling thread until it calls ``sys.setprofile(None)``
-    (a worker's thread, from a ``task_prerun`` handler), through the profile hook: an
-    exception it raises goes into the called frame (the trace hook is coverage's)."""
+def arm_cut(function: Callable[..., Any]) -> list[str]:
+    """In the calling thread (a worker's, from a ``task_prerun`` handler), the first call of
+    ``function`` raises :class:`Cut` as it starts, where a signal's handler raises on the
+    way into a function: a cut at a chosen point between two steps, deterministic where a
+    timed signal is not. Through the profile hook, whose exception goes into the called
+    frame (the trace hook is coverage's), set until the thread calls
+    ``sys.setprofile(None)``. Returns a list that holds the function's name once cut."""
     code = getattr(function, "__code__", None)
     if code is None:
         raise TypeError(f"{function!r} is not a Python function")
     fired: list[str] = []
-    calls = [after]
     previous = sys.getprofile()
 
     def profile(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code is code and not fired:
-            calls[0] -= 1
-            if calls[0] >= 0:
-                return
             fired.append(code.co_qualname)
             sys.setprofile(previous)
             raise Cut
