@@ -78,26 +78,21 @@ def arm_cut(function: Callable[..., Any]) -> list[str]:
     return fired
 
 
-@contextmanager
-def signal_on_entry(function: Callable[..., Any], signum: int = CUT_SIGNAL) -> Iterator[list[str]]:
-    """As the first call of ``function`` in this thread starts, send this process
+def signal_on_entry(
+    monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, signum: int = CUT_SIGNAL
+) -> list[str]:
+    """Until the test ends, as the first call of ``owner.name`` starts, send this process
     ``signum`` (:data:`CUT_SIGNAL`: inside a :func:`cutting` block), whose handler runs at
-    once, as a signal that comes there: it raises on the way into ``function``, or, if it
-    holds the signal back, ``function`` runs."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        raise TypeError(f"{function!r} is not a Python function")
-    sent: list[str] = []
-    previous = sys.getprofile()
+    once, before the function's first statement, as a signal that comes there: it raises on
+    the way in, or, if it holds the signal back, the function runs. Returns a list that
+    holds ``name`` once sent."""
+    function, sent = getattr(owner, name), []
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and frame.f_code is code and not sent:
-            sent.append(code.co_qualname)
-            sys.setprofile(previous)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        if not sent:
+            sent.append(name)
             os.kill(os.getpid(), signum)
+        return function(*args, **kwargs)
 
-    sys.setprofile(profile)
-    try:
-        yield sent
-    finally:
-        sys.setprofile(previous)
+    monkeypatch.setattr(owner, name, entry)
+    return sent
