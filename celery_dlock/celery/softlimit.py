@@ -86,9 +86,14 @@ os.register_at_fork(after_in_child=_forked)
 
 def ready() -> None:
     """At a task's start: in a pool child, the guard in front of billiard's handler (from
-    the first task on, so that the store's regions are guarded: ``celery_dlock.critical``)."""
+    the first task on, so that the store's regions are guarded: ``celery_dlock.critical``).
+    No store step is open as a task starts: the count of open regions starts again from
+    none (one left open by an exception that was not a soft limit, an interrupt right after
+    a region began, would otherwise hold back every later limit of the child)."""
     if _guard.installed is None:
         _guard.install()
+    regions = critical.state
+    regions.depth, regions.pending = 0, None
 
 
 def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], raising: Any) -> Any:

@@ -166,3 +166,29 @@ def test_in_a_pool_child_any_first_task_puts_the_guard_in_place() -> None:
     assert critical.state.guarded
     handler = signals._guard_from_the_first_task  # connected strongly: kept as it is
     assert all(receiver is not handler for _, receiver in task_prerun.receivers)
+
+
+@pytest.mark.usefixtures("pool_child")
+def test_a_region_left_open_is_closed_as_the_next_task_starts() -> None:
+    """An interrupt that is not a soft limit, right after a store's step began its region,
+    leaves it open: a soft limit is then held back (pending) until the next task starts,
+    which starts the count again, so that its own limit is raised where it comes."""
+    url = f"memory://soft-{uuid.uuid4().hex[:8]}"
+    app = Celery("soft-region", set_as_current=False)
+    app.conf.update(dlock_backend=url)
+    install(app, janitor=False)
+
+    @app.task(shared=False, base=LockedTask, name="s.region", lock_key="region:{n}")
+    def region(n: int, limit_in_body: bool = False) -> int:
+        if limit_in_body:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)  # the limit's exception comes first
+        return n
+
+    assert region(1) == 1  # the guard in place
+    critical.enter()  # a region no one will leave
+    os.kill(os.getpid(), signal.SIGUSR1)  # held back: its region never ends
+    assert critical.state.pending is not None
+    with pytest.raises(SoftTimeLimitExceeded):  # the next task's own limit, in its body
+        region(2, limit_in_body=True)
+    assert critical.state.depth == 0 and critical.state.pending is None
