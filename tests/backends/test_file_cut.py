@@ -17,18 +17,18 @@ import sys
 import threading
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
-from billiard.pool import soft_timeout_sighandler
 
 from celery_dlock import Holder, Outcome, critical
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.file.state import Locked
 from celery_dlock.celery import softlimit
 from tests.support.cuts import CUT_SIGNAL, Cut, cutting, signal_on_entry
+from tests.support.poolchild import pool_child
 
 WAIT = 10.0
 
@@ -58,22 +58,17 @@ def _read_elsewhere(url: str, key: str) -> str:
     return done.stdout.strip()
 
 
+__all__ = ["pool_child"]  # the fixture guarded_child builds on
+
+
 @pytest.fixture
-def pool_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process's main thread as a pool child's once it ran a task: billiard's SIGUSR1
-    handler, guarded."""
-    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
-    monkeypatch.setattr(softlimit, "_guard", softlimit._Guard())
-    monkeypatch.setattr(critical, "state", critical._State())
-    try:
-        softlimit.ready()
-        assert critical.state.guarded
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+def guarded_child(pool_child: None) -> None:
+    """A pool child's main thread once it ran a task: the guard in place."""
+    softlimit.ready()
+    assert critical.state.guarded
 
 
-@pytest.mark.usefixtures("pool_child")
+@pytest.mark.usefixtures("guarded_child")
 @pytest.mark.parametrize("step", ["try_acquire", "release"])
 def test_a_soft_limit_as_a_step_lets_go_of_its_key_is_raised_after_it(
     tmp_path: Path, step: str, monkeypatch: pytest.MonkeyPatch

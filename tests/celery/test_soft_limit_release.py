@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
-from billiard.pool import soft_timeout_sighandler
 from celery import Celery
 from celery.signals import task_prerun
 
@@ -31,6 +30,7 @@ from celery_dlock.celery import signals, softlimit
 from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
+from tests.support.poolchild import pool_child
 from tests.support.services import row_locked
 
 #: The task's soft time limit (tests/celery/workerapp.py: its body takes 1 s).
@@ -93,16 +93,7 @@ class SignalClock:
         return time.time()
 
 
-@pytest.fixture
-def pool_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process's main thread as a pool child's: billiard's SIGUSR1 handler, no guard."""
-    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
-    monkeypatch.setattr(softlimit, "_guard", softlimit._Guard())
-    monkeypatch.setattr(critical, "state", critical._State())  # guarded by its first task
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+__all__ = ["pool_child"]  # the fixture: this process as a pool child's
 
 
 @pytest.mark.usefixtures("pool_child")

@@ -33,20 +33,19 @@ from typing import Any
 
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
-from billiard.pool import soft_timeout_sighandler
 from celery import Celery
 from celery.signals import before_task_publish
 
 import celery_dlock
-from celery_dlock import LockedTask, Outcome, critical, install
+from celery_dlock import LockedTask, Outcome, install
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
-from celery_dlock.celery import softlimit
 from celery_dlock.celery.dedupe import mark_key
 from tests.backends.stores.postgres import SERVER_URL, schema_store
 from tests.backends.stores.redis import URL as REDIS_URL
 from tests.backends.stores.redis import delete_prefix, store_url
+from tests.support.poolchild import pool_child
 
 PACKAGE = str(Path(celery_dlock.__file__).parent)
 #: How many calls of a dedupe task's start come before its mark's handlers are in place:
@@ -98,17 +97,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str,
             delete_prefix(REDIS_URL, prefix)
 
 
-@pytest.fixture
-def pool_child(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """This process's main thread as a pool child's: billiard's SIGUSR1 handler, guarded
-    from the first task on."""
-    previous = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
-    monkeypatch.setattr(softlimit, "_guard", softlimit._Guard())
-    monkeypatch.setattr(critical, "state", critical._State())
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
+__all__ = ["pool_child"]  # the fixture: this process as a pool child's
 
 
 class Runs:
