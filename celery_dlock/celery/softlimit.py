@@ -14,8 +14,10 @@ in front of billiard's that passes the signal on unless it is held back; holding
 letting go then cost a flag each, for every task (a child does not know whether the
 worker gives its jobs a soft limit: ``--soft-time-limit`` is the parent's). It also holds
 a limit that comes inside a store's step that must not be cut (``celery_dlock.critical``)
-back until that step ends, and raises it there. Anywhere else (another pool, a direct
-call, a thread) nothing changes.
+back until that step ends, and raises it there; and one that comes inside a ``__del__``
+(any object's, called by the garbage collector wherever the main thread is), where Python
+would only print the exception, is sent again a few milliseconds later. Anywhere else
+(another pool, a direct call, a thread) nothing changes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ __all__ = ["lift", "ready", "run_body"]
 logger = logging.getLogger("celery_dlock.task")
 
 _SIGNAL = getattr(signal, "SIGUSR1", None)
+#: A limit that came inside a finalizer is sent again this many seconds later, when that
+#: finalizer has returned (or sent again, if another is running then).
+_AGAIN = 0.005
 
 
 class _Guard:
@@ -58,6 +63,9 @@ class _Guard:
         if regions.depth:  # inside a step that must not be cut: raised as it ends
             regions.pending = functools.partial(soft_timeout_sighandler, signum, None)
             return
+        if _in_finalizer(frame):  # Python would print the exception there and drop it
+            threading.Timer(_AGAIN, os.kill, (os.getpid(), signum)).start()
+            return
         soft_timeout_sighandler(signum, frame)  # raises SoftTimeLimitExceeded
 
     def install(self) -> bool:
@@ -71,6 +79,16 @@ class _Guard:
             signal.signal(_SIGNAL, self)  # type: ignore[arg-type]  # installed: _SIGNAL set
             critical.state.guarded = True
         return bool(self.installed)
+
+
+def _in_finalizer(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a ``__del__`` (the garbage collector's call of one, at
+    any point of the main thread): an exception raised there is only printed."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 _guard = _Guard()

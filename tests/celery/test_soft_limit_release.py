@@ -8,6 +8,7 @@ handler, the main thread), the memory store's clock sends the signal from inside
 from __future__ import annotations
 
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -183,3 +184,40 @@ def test_a_region_left_open_is_closed_as_the_next_task_starts() -> None:
     with pytest.raises(SoftTimeLimitExceeded):  # the next task's own limit, in its body
         region(2, limit_in_body=True)
     assert critical.state.depth == 0 and critical.state.pending is None
+
+
+class Cycle:
+    """An object in a reference cycle, whose finalizer the garbage collector calls: the
+    soft limit comes while it runs, and it goes on to its end."""
+
+    ended = False
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)  # the handler runs here, in the finalizer
+        Cycle.ended = True
+
+
+@pytest.mark.usefixtures("pool_child")
+def test_a_soft_limit_that_comes_inside_a_finalizer_is_raised_once_it_has_returned() -> None:
+    """Python prints an exception raised in a ``__del__`` and drops it: a soft limit there
+    (the garbage collector calls finalizers wherever the main thread is) would be lost, and
+    the body would run on to the hard limit. The guard sends it again after."""
+    url = f"memory://soft-{uuid.uuid4().hex[:8]}"
+    app = Celery("soft-finalizer", set_as_current=False)
+    app.conf.update(dlock_backend=url)
+    install(app, janitor=False)
+
+    @app.task(shared=False, base=LockedTask, name="s.final", lock_key="final:{n}")
+    def final(n: int) -> int:
+        return n
+
+    assert final(1) == 1  # the guard in place
+    Cycle()
+    with pytest.raises(SoftTimeLimitExceeded):
+        gc.collect()
+        assert Cycle.ended, "the finalizer was cut"
+        time.sleep(1)  # the limit, sent again, comes here
