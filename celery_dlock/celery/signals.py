@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import celery
-from billiard.exceptions import WorkerLostError
+from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
@@ -102,6 +102,9 @@ def _task_failed(
     kwargs: Any = None,
     **_: Any,
 ) -> None:
+    if isinstance(exception, SoftTimeLimitExceeded):
+        _soft_limit(sender, task_id, exception)
+        return
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return
     # The child died: its message's dedupe mark goes too. Celery 5.7 puts the message's
@@ -114,6 +117,17 @@ def _task_failed(
     else:
         _end_carried_mark(sender, request, task_id, Outcome.DISCONNECTED, details)
     _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
+
+
+def _soft_limit(task: Any, task_id: str | None, exception: BaseException) -> None:
+    """In the child, a task that failed at its soft time limit: the dedupe mark its message
+    carried is ended by its token, as the task's run ends it. The run ends it itself, but
+    not when the limit came within the few calls of the task's start before its handlers
+    were in place; a mark the run ended already is left as it is."""
+    if getattr(task, "dedupe", None) is None:
+        return
+    details = f"ended before its mark's handlers were in place, by {exception!r}"
+    _end_carried_mark(task, getattr(task, "request", None), task_id, Outcome.FAILED, details)
 
 
 def _task_revoked(
