@@ -439,6 +439,7 @@ def test_cli_reap_clears_no_more_than_its_limit(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["reaped"] == len(data["cleared"]) == 150
     assert len(backend.leases()) == 60 + 0
+    backend.close()
 
 
 def test_cli_reap_json_says_what_it_cleared_and_pruned(tmp_path: Path) -> None:

@@ -198,6 +198,8 @@ def test_hundreds_of_short_leases_renewed_by_one_process_stay_held(
             assert current is not None and current.token == lock.lease.token
     finally:
         records = [lock.release() for lock in locks]
+        if backend is not store.backend:
+            backend.close()
     assert [r.outcome if r else None for r in records] == [Outcome.SUCCEEDED] * count
 
 

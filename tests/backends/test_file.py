@@ -545,6 +545,10 @@ def test_a_descriptor_in_use_is_never_closed_by_another_threads_eviction(tmp_pat
         thread.join()
     assert lease is not None
     fresh = FileBackend(str(tmp_path / "locks"))  # nothing cached
-    current = fresh.get("job:slow")
-    assert current is not None and current.token == lease.token
-    assert all(fresh.get(f"job:other-{n}") is None for n in range(2000))
+    try:
+        current = fresh.get("job:slow")
+        assert current is not None and current.token == lease.token
+        assert all(fresh.get(f"job:other-{n}") is None for n in range(2000))
+    finally:
+        fresh.close()
+        backend.close()  # the descriptors it keeps (256)

@@ -43,6 +43,7 @@ from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.celery.dedupe import mark_key
+from celery_dlock.celery.settings import backend_for
 from tests.backends.stores.postgres import SERVER_URL, schema_store
 from tests.backends.stores.redis import URL as REDIS_URL
 from tests.backends.stores.redis import delete_prefix, store_url
@@ -121,6 +122,11 @@ class Runs:
         self.task = pay
         self.headers: dict[str, Any] = {}
 
+    def close(self) -> None:
+        """Close the app's client of the store (the file store's keeps a descriptor for
+        each of up to 256 keys)."""
+        backend_for(self.app).close()
+
     def run(self, n: int, cut_at: int | None = None) -> tuple[BaseException | None, int]:
         """Run the task for order ``n`` (cut as the ``cut_at``-th call starts): the exception
         it ended with, and how many calls of our code it made."""
@@ -191,10 +197,11 @@ def _problems(runs: Runs, backend: LockBackend, n: int, exc: BaseException | Non
 @pytest.mark.usefixtures("pool_child")
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_soft_limit_at_any_step_of_a_run_leaves_what_the_run_promises(
-    store: tuple[str, LockBackend], kind: str
+    store: tuple[str, LockBackend], kind: str, request: pytest.FixtureRequest
 ) -> None:
     url, backend = store
     runs = Runs(url, kind)
+    request.addfinalizer(runs.close)
     runs.run(0)  # the guard in place, the connections open
     exc, steps = runs.run(1)
     assert exc is None and runs.ran == [0, 1]
