@@ -14,10 +14,12 @@ in front of billiard's that passes the signal on unless it is held back; holding
 letting go then cost a flag each, for every task (a child does not know whether the
 worker gives its jobs a soft limit: ``--soft-time-limit`` is the parent's). It also holds
 a limit that comes inside a store's step that must not be cut (``celery_dlock.critical``)
-back until that step ends, and raises it there; and one that comes inside a ``__del__``
-(any object's, called by the garbage collector wherever the main thread is), where Python
-would only print the exception, is sent again a few milliseconds later. Anywhere else
-(another pool, a direct call, a thread) nothing changes.
+back until that step ends, and raises it there; and one that comes inside a release
+(``Lock.release`` or ``__exit__``, in a plain task's ``with lock:``) or a ``__del__`` (any
+object's, called by the garbage collector wherever the main thread is, where Python would
+only print the exception) is sent again a few milliseconds later, until it lands outside
+them, while the task it came for still runs. Anywhere else (another pool, a direct call,
+a thread) nothing changes.
 """
 
 from __future__ import annotations
@@ -31,18 +33,26 @@ from types import FrameType
 from typing import Any
 
 from billiard.pool import soft_timeout_sighandler
+from celery._state import _task_stack
 
 from celery_dlock import critical
 from celery_dlock.events import fields
+from celery_dlock.lock import Lock
+from celery_dlock.locks import Locks
 
 __all__ = ["lift", "ready", "run_body"]
 
 logger = logging.getLogger("celery_dlock.task")
 
 _SIGNAL = getattr(signal, "SIGUSR1", None)
-#: A limit that came inside a finalizer is sent again this many seconds later, when that
-#: finalizer has returned (or sent again, if another is running then).
+#: A limit that came inside a finalizer or a release is sent again this many seconds later,
+#: when it has returned (or sent again, if it still runs then).
 _AGAIN = 0.005
+#: Releases a soft limit must not cut, whoever calls them (a plain task's ``with lock:``):
+#: cut, the lease would stay held, and renewed, for as long as the exception is kept.
+_SHIELDED = {
+    function.__code__ for function in (Lock.release, Lock.__exit__, Locks.release, Locks.__exit__)
+}
 
 
 class _Guard:
@@ -54,17 +64,26 @@ class _Guard:
         self.main = threading.main_thread().ident
         self.task: Any = None  # the task whose soft limit is held back, while it is
         self.came = 0
+        self.again: tuple[Any, Any] | None = None  # the run whose limit is to be sent again
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
+        again, self.again = self.again, None
         if self.task is not None:
             self.came += 1
+            return
+        if again is not None and not _same(again, _running()):
+            _dropped("sent again after its task had ended")
             return
         regions = critical.state
         if regions.depth:  # inside a step that must not be cut: raised as it ends
             regions.pending = functools.partial(soft_timeout_sighandler, signum, None)
             return
-        if _in_finalizer(frame):  # Python would print the exception there and drop it
-            threading.Timer(_AGAIN, os.kill, (os.getpid(), signum)).start()
+        if _shielded(frame):  # a release, or a finalizer (whose exception Python drops)
+            self.again = _running()
+            if self.again is None:
+                _dropped("came inside a release or a finalizer, outside any task")
+            else:  # the task gets its limit once out of there
+                threading.Timer(_AGAIN, os.kill, (os.getpid(), signum)).start()
             return
         soft_timeout_sighandler(signum, frame)  # raises SoftTimeLimitExceeded
 
@@ -81,14 +100,31 @@ class _Guard:
         return bool(self.installed)
 
 
-def _in_finalizer(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs inside a ``__del__`` (the garbage collector's call of one, at
-    any point of the main thread): an exception raised there is only printed."""
+def _shielded(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a release (:data:`_SHIELDED`) or a ``__del__`` (the
+    garbage collector's call of one, at any point of the main thread), where an exception
+    raised is only printed."""
     while frame is not None:
-        if frame.f_code.co_name == "__del__":
+        code = frame.f_code
+        if code in _SHIELDED or code.co_name == "__del__":
             return True
         frame = frame.f_back
     return False
+
+
+def _dropped(where: str) -> None:
+    message = "a soft time limit %s: dropped"
+    logger.warning(message, where, extra=fields("soft_limit_dropped"))
+
+
+def _running() -> tuple[Any, Any] | None:
+    """The task this thread runs and its request, or None."""
+    task = _task_stack.top
+    return None if task is None else (task, task.request)
+
+
+def _same(one: tuple[Any, Any], other: tuple[Any, Any] | None) -> bool:
+    return other is not None and one[0] is other[0] and one[1] is other[1]
 
 
 _guard = _Guard()

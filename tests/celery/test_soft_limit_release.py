@@ -12,17 +12,20 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 from celery.signals import task_prerun
 
+import celery_dlock
 from celery_dlock import LockedTask, critical, install
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
@@ -201,23 +204,82 @@ class Cycle:
         Cycle.ended = True
 
 
+def plain_app(name: str) -> Celery:
+    """An app whose first task puts the guard in place, as in a new pool child."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(dlock_backend=f"memory://{name}-{uuid.uuid4().hex[:8]}")
+    install(app, janitor=False)
+    task_prerun.connect(signals._guard_from_the_first_task, weak=False)
+    return app
+
+
 @pytest.mark.usefixtures("pool_child")
 def test_a_soft_limit_that_comes_inside_a_finalizer_is_raised_once_it_has_returned() -> None:
     """Python prints an exception raised in a ``__del__`` and drops it: a soft limit there
     (the garbage collector calls finalizers wherever the main thread is) would be lost, and
-    the body would run on to the hard limit. The guard sends it again after."""
-    url = f"memory://soft-{uuid.uuid4().hex[:8]}"
-    app = Celery("soft-finalizer", set_as_current=False)
-    app.conf.update(dlock_backend=url)
-    install(app, janitor=False)
+    the body would run on to the hard limit. The guard sends it again after; once the task
+    has ended, it is dropped instead of cutting whatever the child does next."""
+    app = plain_app("soft-finalizer")
+    reached: list[str] = []
 
-    @app.task(shared=False, base=LockedTask, name="s.final", lock_key="final:{n}")
-    def final(n: int) -> int:
-        return n
-
-    assert final(1) == 1  # the guard in place
-    Cycle()
-    with pytest.raises(SoftTimeLimitExceeded):
+    @app.task(shared=False, name="s.final")
+    def final(collect_in_body: bool) -> str:
+        Cycle()
+        if not collect_in_body:
+            return "ended"
         gc.collect()
-        assert Cycle.ended, "the finalizer was cut"
+        reached.append(f"finalizer ended: {Cycle.ended}")
         time.sleep(1)  # the limit, sent again, comes here
+        reached.append("slept")
+        return "ran on"
+
+    failed = final.apply((True,))
+    assert isinstance(failed.result, SoftTimeLimitExceeded)
+    assert reached == ["finalizer ended: True"]
+    Cycle.ended = False
+    assert final.apply((False,)).get() == "ended"  # its Cycle is collected after the task
+    gc.collect()
+    assert Cycle.ended
+    time.sleep(0.2)  # no limit is sent again: its task had ended
+    assert softlimit._guard.again is None
+
+
+@pytest.mark.parametrize("keys", [1, 2], ids=["Lock", "Locks"])
+@pytest.mark.usefixtures("pool_child")
+def test_a_soft_limit_on_the_way_into_a_with_blocks_release_lets_it_release(
+    keys: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plain task's ``with celery_dlock.lock(...)``: a soft limit that comes as the block
+    ends, on the way into ``__exit__`` (a Python function: the interpreter runs a signal's
+    handler on the way into any) or while the release waits for its store, would leave
+    the lease held (and renewed) for as long as the exception is kept. The release ends;
+    the limit is raised after it, in the task."""
+    app = plain_app("soft-with")
+    store = MemoryBackend.from_url(app.conf.dlock_backend)
+    names = [f"job:with:{n}" for n in range(keys)]
+    owner = celery_dlock.Lock if keys == 1 else celery_dlock.Locks
+    entries: list[str] = []
+
+    @app.task(shared=False, name="s.with")
+    def hold() -> None:
+        code = owner.__exit__.__code__
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code is code and not entries:
+                entries.append(code.co_qualname)
+                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs in __exit__'s frame
+
+        lock = celery_dlock.lock(names if keys > 1 else names[0], backend=store, ttl=30)
+        with lock:
+            sys.setprofile(profile)
+        sys.setprofile(None)
+        time.sleep(1)  # the limit, sent again, comes here
+
+    with caplog.at_level(logging.WARNING):
+        failed = hold.apply()
+    assert entries == [f"{owner.__name__}.__exit__"]
+    assert isinstance(failed.result, SoftTimeLimitExceeded)
+    for name in names:
+        assert store.get(name) is None
+        [record] = store.history(key=name)
+        assert record.outcome is Outcome.SUCCEEDED
