@@ -34,6 +34,7 @@ from celery_dlock.celery import signals, softlimit
 from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
+from tests.support import eventually
 from tests.support.poolchild import pool_child
 from tests.support.services import row_locked
 
@@ -214,7 +215,9 @@ def plain_app(name: str) -> Celery:
 
 
 @pytest.mark.usefixtures("pool_child")
-def test_a_soft_limit_that_comes_inside_a_finalizer_is_raised_once_it_has_returned() -> None:
+def test_a_soft_limit_that_comes_inside_a_finalizer_is_raised_once_it_has_returned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Python prints an exception raised in a ``__del__`` and drops it: a soft limit there
     (the garbage collector calls finalizers wherever the main thread is) would be lost, and
     the body would run on to the hard limit. The guard sends it again after; once the task
@@ -223,24 +226,40 @@ def test_a_soft_limit_that_comes_inside_a_finalizer_is_raised_once_it_has_return
     reached: list[str] = []
 
     @app.task(shared=False, name="s.final")
-    def final(collect_in_body: bool) -> str:
+    def final(then: str) -> str:
         Cycle()
-        if not collect_in_body:
+        if then == "leave":
             return "ended"
         gc.collect()
         reached.append(f"finalizer ended: {Cycle.ended}")
+        if then == "return":
+            return "ended"
         time.sleep(1)  # the limit, sent again, comes here
         reached.append("slept")
         return "ran on"
 
-    failed = final.apply((True,))
+    def dropped() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if getattr(r, "event", None) == "soft_limit_dropped"
+        ]
+
+    failed = final.apply(("wait",))
     assert isinstance(failed.result, SoftTimeLimitExceeded)
     assert reached == ["finalizer ended: True"]
-    Cycle.ended = False
-    assert final.apply((False,)).get() == "ended"  # its Cycle is collected after the task
-    gc.collect()
-    assert Cycle.ended
-    time.sleep(0.2)  # no limit is sent again: its task had ended
+    with caplog.at_level(logging.WARNING, logger="celery_dlock.task"):
+        Cycle.ended = False
+        assert final.apply(("return",)).get() == "ended"  # ended before it is sent again
+        [late] = eventually(dropped, "the limit sent again, dropped")
+        assert "after its task had ended" in late
+        caplog.clear()
+        Cycle.ended = False
+        assert final.apply(("leave",)).get() == "ended"  # its Cycle is collected after it
+        gc.collect()  # no task runs: the limit is not sent again
+        assert Cycle.ended
+        [outside] = dropped()
+        assert "outside any task" in outside
     assert softlimit._guard.again is None
 
 
