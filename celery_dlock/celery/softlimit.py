@@ -28,6 +28,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -76,7 +77,7 @@ class _Guard:
             return
         regions = critical.state
         if regions.depth:  # inside a step that must not be cut: raised as it ends
-            regions.pending = functools.partial(soft_timeout_sighandler, signum, None)
+            regions.pending = functools.partial(self.after_region, signum)
             return
         if _shielded(frame):  # a release, or a finalizer (whose exception Python drops)
             self.again = _running()
@@ -86,6 +87,11 @@ class _Guard:
                 threading.Timer(_AGAIN, os.kill, (os.getpid(), signum)).start()
             return
         soft_timeout_sighandler(signum, frame)  # raises SoftTimeLimitExceeded
+
+    def after_region(self, signum: int) -> None:
+        """A limit held back in a store's step, as the step ends: raised there, unless the
+        step was part of a release (then sent again after it, as one that came there)."""
+        self(signum, sys._getframe(1))
 
     def install(self) -> bool:
         """Put this guard in front of billiard's handler, in a pool child's main thread."""
@@ -101,9 +107,9 @@ class _Guard:
 
 
 def _shielded(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs inside a release (:data:`_SHIELDED`) or a ``__del__`` (the
-    garbage collector's call of one, at any point of the main thread), where an exception
-    raised is only printed."""
+    """Whether ``frame`` runs inside a release (:data:`_SHIELDED`: cut, its lease stays
+    held) or a ``__del__`` (the garbage collector's call of one, at any point of the main
+    thread: Python only prints an exception raised there)."""
     while frame is not None:
         code = frame.f_code
         if code in _SHIELDED or code.co_name == "__del__":

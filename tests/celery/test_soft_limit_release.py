@@ -31,6 +31,7 @@ from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.memory import MemoryBackend
 from celery_dlock.backends.naming import file_name
 from celery_dlock.celery import signals, softlimit
+from celery_dlock.celery.settings import backend_for
 from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
@@ -263,42 +264,50 @@ def test_a_soft_limit_that_comes_inside_a_finalizer_is_raised_once_it_has_return
     assert softlimit._guard.again is None
 
 
-@pytest.mark.parametrize("keys", [1, 2], ids=["Lock", "Locks"])
+#: Where the limit comes as a plain task's ``with`` block ends: the store, the keys, and the
+#: function on whose way in it comes (the first call after the block's body).
+ENDS: dict[str, tuple[str, int, Any]] = {
+    "Lock.__exit__": ("memory", 1, celery_dlock.Lock.__exit__),
+    "Locks.__exit__": ("memory", 2, celery_dlock.Locks.__exit__),
+    # inside the file store's step of the first key's release (a region: held back until
+    # the step ends, then sent again after the release, not raised before the second key)
+    "file store step": ("file", 2, FileBackend._ours),
+}
+
+
+@pytest.mark.parametrize("where", sorted(ENDS))
 @pytest.mark.usefixtures("pool_child")
-def test_a_soft_limit_on_the_way_into_a_with_blocks_release_lets_it_release(
-    keys: int, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_soft_limit_as_a_with_block_ends_lets_its_release_end(where: str, tmp_path: Path) -> None:
     """A plain task's ``with celery_dlock.lock(...)``: a soft limit that comes as the block
     ends, on the way into ``__exit__`` (a Python function: the interpreter runs a signal's
-    handler on the way into any) or while the release waits for its store, would leave
-    the lease held (and renewed) for as long as the exception is kept. The release ends;
-    the limit is raised after it, in the task."""
+    handler on the way into any) or while the release runs, would leave a lease held (and
+    renewed) for as long as the exception is kept. The release ends, every key; the limit
+    is raised after it, in the task."""
+    kind, keys, function = ENDS[where]
     app = plain_app("soft-with")
-    store = MemoryBackend.from_url(app.conf.dlock_backend)
+    if kind == "file":
+        app.conf.update(dlock_backend=f"file://{tmp_path / 'locks'}")
+    store = backend_for(app)
     names = [f"job:with:{n}" for n in range(keys)]
-    owner = celery_dlock.Lock if keys == 1 else celery_dlock.Locks
-    entries: list[str] = []
+    code, entries = function.__code__, []
 
     @app.task(shared=False, name="s.with")
     def hold() -> None:
-        code = owner.__exit__.__code__
-
         def profile(frame: Any, event: str, arg: Any) -> None:
             if event == "call" and frame.f_code is code and not entries:
                 entries.append(code.co_qualname)
-                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs in __exit__'s frame
+                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs in that frame
 
-        lock = celery_dlock.lock(names if keys > 1 else names[0], backend=store, ttl=30)
-        with lock:
+        with celery_dlock.lock(names if keys > 1 else names[0], backend=store, ttl=30):
             sys.setprofile(profile)
         sys.setprofile(None)
         time.sleep(1)  # the limit, sent again, comes here
 
-    with caplog.at_level(logging.WARNING):
-        failed = hold.apply()
-    assert entries == [f"{owner.__name__}.__exit__"]
+    failed = hold.apply()
+    assert entries == [code.co_qualname]
     assert isinstance(failed.result, SoftTimeLimitExceeded)
     for name in names:
         assert store.get(name) is None
         [record] = store.history(key=name)
         assert record.outcome is Outcome.SUCCEEDED
+    store.close()
