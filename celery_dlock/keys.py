@@ -124,7 +124,10 @@ def canonical(value: Any) -> str:
     if kind is str:  # the usual values first
         return value  # type: ignore[no-any-return]
     if kind is int:
-        return _canonical_int(value)
+        try:
+            return str(value)
+        except ValueError:  # past sys.get_int_max_str_digits() (4300)
+            return _canonical_int(value)
     if value is None:
         return "null"
     if isinstance(value, bool):

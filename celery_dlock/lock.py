@@ -118,7 +118,7 @@ class Lock:
         self.metadata = check_metadata(metadata)
         self.limit = validate_limit(limit)
         #: The keys a holder may take: the key itself, or its ``limit`` slots.
-        self.slots = slot_keys(self.key, self.limit)
+        self.slots = (self.key,) if self.limit == 1 else slot_keys(self.key, self.limit)
         self.ttl = self.backend.default_ttl if ttl is None else validate_ttl(ttl)
         self.wait = validate_wait(wait)
         self.holder = holder

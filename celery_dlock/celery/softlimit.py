@@ -164,15 +164,11 @@ def run_body(task: Any, args: tuple[Any, ...], kwargs: dict[str, Any], raising: 
             return task.run(*args, **kwargs)
         with raising:
             return task.run(*args, **kwargs)
-    finally:
-        _hold(task)
-
-
-def _hold(task: Any) -> None:
-    guard = _guard
-    installed = guard.install() if guard.installed is None else guard.installed
-    if installed and guard.task is None and threading.get_ident() == guard.main:
-        guard.task = task
+    finally:  # held from here (inline: this runs for every task)
+        guard = _guard
+        installed = guard.install() if guard.installed is None else guard.installed
+        if installed and guard.task is None and threading.get_ident() == guard.main:
+            guard.task = task
 
 
 def lift() -> None:

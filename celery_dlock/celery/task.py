@@ -378,7 +378,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             self._finish(lock, Outcome.FAILED, lost := LockLostError(gone.key, gone.fence, "renew"))
             raise lost
         stored = stored_result(self.name, result) if self.once else None
-        once.keep_step(self.request, lock, stored)
+        if stored is not None:
+            once.keep_step(self.request, lock, stored)
         self._finish(lock, Outcome.SUCCEEDED, None, stored)
         return result
 
