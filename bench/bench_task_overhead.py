@@ -7,7 +7,12 @@ memory store, against the same plain task, with the store's own calls timed apar
         python bench/bench_task_overhead.py --rounds 2 --only locked --tasks 50000
 
 (py-spy from pip; ``--nonblocking``: pausing the process for each sample makes its system
-calls look ten times dearer, ``os.getpid`` among them.)
+calls look ten times dearer, ``os.getpid`` among them.) Instructions per task, which this
+shared VM's CPU times swing too much to show for a change of 1 µs: the difference of two
+runs under callgrind, divided by the difference of their task counts (repeatable to 0.3%):
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=/tmp/n.out \
+        python bench/bench_task_overhead.py --rounds 1 --only locked --tasks N
 
 Celery's ``build_tracer`` runs each task as a worker child would (request context, signals,
 result handling with ``ignore_result``), with no broker and no other process, so the CPU per
