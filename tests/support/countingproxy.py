@@ -142,9 +142,9 @@ class CountingProxy:
         peers = {client: server, server: client}
         by_fd = {client.fileno(): client, server.fileno(): server}
         poller = select.poll()  # not select(): a test process's descriptors pass 1023
-        for fd in by_fd:
-            poller.register(fd, select.POLLIN)
         try:
+            for fd in by_fd:  # -1, a ValueError, if cut before this thread began
+                poller.register(fd, select.POLLIN)
             while not self._closing.is_set():
                 for fd, _ in poller.poll(500):
                     sock = by_fd[fd]
@@ -168,7 +168,7 @@ class CountingProxy:
                         return  # the reply dies with the connection, cut below
                     last_from_client = sock is client
                     peers[sock].sendall(data)
-        except OSError:
+        except (OSError, ValueError):
             return
         finally:
             for sock in (client, server):
