@@ -36,6 +36,7 @@ from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
 from tests.support import eventually
+from tests.support.cuts import arm_cut
 from tests.support.poolchild import pool_child
 from tests.support.services import row_locked
 
@@ -144,14 +145,21 @@ def test_in_a_pool_child_a_soft_limit_is_held_back_in_the_release_only(
         time.sleep(1)
 
 
+def plain_app(name: str) -> Celery:
+    """An app whose first task puts the guard in place, as in a new pool child."""
+    app = Celery(name, set_as_current=False)
+    app.conf.update(dlock_backend=f"memory://{name}-{uuid.uuid4().hex[:8]}")
+    install(app, janitor=False)
+    task_prerun.connect(signals._guard_from_the_first_task, weak=False)
+    return app
+
+
 @pytest.mark.usefixtures("pool_child")
 def test_in_a_pool_child_any_first_task_puts_the_guard_in_place() -> None:
     """A plain task (one that takes ``celery_dlock.lock`` itself, say) as a child's first:
     from then on a soft limit inside a store's step that must not be cut waits for its end
     (``celery_dlock.critical``). The handler that does it goes after the first task."""
-    app = Celery("soft-first", set_as_current=False)
-    install(app, janitor=False)
-    task_prerun.connect(signals._guard_from_the_first_task, weak=False)  # as in a new child
+    app = plain_app("soft-first")  # its handler connected, as in a new child
 
     @app.task(shared=False, name="s.plain")
     def plain() -> int:
@@ -203,15 +211,6 @@ class Cycle:
     def __del__(self) -> None:
         os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs here, in the finalizer
         Cycle.ended = True
-
-
-def plain_app(name: str) -> Celery:
-    """An app whose first task puts the guard in place, as in a new pool child."""
-    app = Celery(name, set_as_current=False)
-    app.conf.update(dlock_backend=f"memory://{name}-{uuid.uuid4().hex[:8]}")
-    install(app, janitor=False)
-    task_prerun.connect(signals._guard_from_the_first_task, weak=False)
-    return app
 
 
 @pytest.mark.usefixtures("pool_child")
@@ -290,22 +289,17 @@ def test_a_soft_limit_as_a_with_block_ends_lets_its_release_end(where: str, tmp_
         app.conf.update(dlock_backend=f"file://{tmp_path / 'locks'}")
     store = backend_for(app)
     names = [f"job:with:{n}" for n in range(keys)]
-    code, entries = function.__code__, []
+    armed: list[list[str]] = []
 
     @app.task(shared=False, name="s.with")
     def hold() -> None:
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code is code and not entries:
-                entries.append(code.co_qualname)
-                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs in that frame
-
         with celery_dlock.lock(names if keys > 1 else names[0], backend=store, ttl=30):
-            sys.setprofile(profile)
+            armed.append(arm_cut(function, signal.SIGUSR1))  # fires after the body
         sys.setprofile(None)
         time.sleep(1)  # the limit, sent again, comes here
 
     failed = hold.apply()
-    assert entries == [code.co_qualname]
+    assert armed == [[function.__code__.co_qualname]]
     assert isinstance(failed.result, SoftTimeLimitExceeded)
     for name in names:
         assert store.get(name) is None
