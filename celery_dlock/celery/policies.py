@@ -30,7 +30,15 @@ class Interrupter:
     runs (``with interrupter: body()``), and never once it has ended: a loss reported while
     the task releases its lease would land inside the release (nothing recorded, the lease
     left in the process's registry), in the tracer or in the child's next task. A loss
-    reported after the body is the task's to see (``Lock.lost``)."""
+    reported after the body is the task's to see (``Lock.lost``).
+
+    The exception is set for the thread by ``PyThreadState_SetAsyncExc`` and raised at the
+    thread's next check of the interpreter's eval breaker (a call's start, a loop's jump),
+    which also clears the breaker. It is never cleared by that function with NULL: CPython
+    then leaves the breaker set for the life of the process (3.11 and 3.12 do, by their
+    code), so that every later call goes through it, and, on 3.11 under a trace or profile
+    function (coverage, a debugger, a profiler), the next call of a Python function spins
+    for ever."""
 
     __slots__ = ("_mutex", "_thread")
 
@@ -46,9 +54,11 @@ class Interrupter:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         with self._mutex:
-            if self._thread is None:  # interrupted: drop the exception if not raised yet
-                _raise_in(threading.get_ident(), None)
             self._thread = None
+        # From here no loss is reported to this thread. One reported as the body ended and
+        # not raised in it yet is raised here, at this call's start: from the with block,
+        # never later (in the release, the tracer).
+        _checkpoint()
 
     def interrupt(self) -> None:
         """Raise LockLostError in the body's thread at its next Python instruction, once;
@@ -59,7 +69,10 @@ class Interrupter:
                 self._thread = None
 
 
-def _raise_in(thread: int, kind: type[BaseException] | None) -> None:
-    """Set (``kind``) or clear (None) the exception pending for ``thread``."""
-    exception = None if kind is None else ctypes.py_object(kind)
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), exception)
+def _raise_in(thread: int, kind: type[BaseException]) -> None:
+    """Set ``kind`` as the exception pending for ``thread``."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(kind))
+
+
+def _checkpoint() -> None:
+    """A call: the eval breaker is checked at its start."""
