@@ -172,6 +172,9 @@ class _Loop(LoopOwned):
                 await conn.execute(self.config.statements.leave_queue)
             except psycopg.Error:
                 close = True
+            except BaseException:  # cancelled meanwhile (the loop ending): closed, then raised
+                await self.end_wait(conn, close=True)
+                raise
         if close or conn.closed or conn.broken or self.pid != os.getpid():
             self.waiters.discard(conn)
             with contextlib.suppress(Exception):
@@ -252,6 +255,15 @@ class _Queued(Place):
         task = asyncio.get_running_loop().create_task(self._loop.end_wait(self.conn, close))
         _tasks.add(task)  # kept until done: the loop holds tasks only weakly
         task.add_done_callback(_tasks.discard)
+
+    async def leave_now(self) -> None:
+        """Leave, and return once the server has let the next waiter in (or, if that fails,
+        once the connection is closed, which the server sees a moment later): a cancel of
+        the wait, raised after this, leaves nothing queued behind it, even if the event
+        loop ends right after it (a task of the loop might then never run)."""
+        if not self.left:
+            self.left = True
+            await self._loop.end_wait(self.conn)
 
 
 _tasks: set[asyncio.Task[None]] = set()
@@ -457,7 +469,7 @@ class AsyncPostgres:
                 raise translate(exc, "wait", self._url) from exc
             return None
         except BaseException:  # cancelled: psycopg cancelled it on the server
-            ours.leave(close=True)
+            await ours.leave_now()
             raise
         return ours
 
