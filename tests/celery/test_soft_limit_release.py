@@ -36,6 +36,7 @@ from celery_dlock.records import Outcome
 from tests.celery.prefork import Worker, settled
 from tests.celery.test_worker_death import started_body
 from tests.support import eventually
+from tests.support.cuts import arm_cut
 from tests.support.poolchild import pool_child
 from tests.support.services import row_locked
 
@@ -288,24 +289,17 @@ def test_a_soft_limit_as_a_with_block_ends_lets_its_release_end(where: str, tmp_
         app.conf.update(dlock_backend=f"file://{tmp_path / 'locks'}")
     store = backend_for(app)
     names = [f"job:with:{n}" for n in range(keys)]
-    code, entries = function.__code__, []
+    armed: list[list[str]] = []
 
     @app.task(shared=False, name="s.with")
     def hold() -> None:
-        # Not cuts.arm_cut: a profile hook that removes itself and then sends a signal made
-        # CPython 3.11 spin at the function's entry (seen once in CI); this one stays set.
-        def profile(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code is code and not entries:
-                entries.append(code.co_qualname)
-                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs in that frame
-
         with celery_dlock.lock(names if keys > 1 else names[0], backend=store, ttl=30):
-            sys.setprofile(profile)
+            armed.append(arm_cut(function, signal.SIGUSR1))  # fires after the body
         sys.setprofile(None)
         time.sleep(1)  # the limit, sent again, comes here
 
     failed = hold.apply()
-    assert entries == [code.co_qualname]
+    assert armed == [[function.__code__.co_qualname]]
     assert isinstance(failed.result, SoftTimeLimitExceeded)
     for name in names:
         assert store.get(name) is None

@@ -55,13 +55,15 @@ def cut_after(seconds: float, call: Callable[[], Any]) -> Cut:
     return cut.value
 
 
-def arm_cut(function: Callable[..., Any]) -> list[str]:
+def arm_cut(function: Callable[..., Any], signum: int | None = None) -> list[str]:
     """In the calling thread (a worker's, from a ``task_prerun`` handler), the first call of
     ``function`` raises :class:`Cut` as it starts, where a signal's handler raises on the
     way into a function: a cut at a chosen point between two steps, deterministic where a
     timed signal is not. Through the profile hook, whose exception goes into the called
     frame (the trace hook is coverage's), set until the thread calls
-    ``sys.setprofile(None)``. Returns a list that holds the function's name once cut."""
+    ``sys.setprofile(None)``. With ``signum``, that signal is sent to this process instead,
+    whose handler runs there, in the called frame (a soft limit's SIGUSR1, to a guarded
+    handler). Returns a list that holds the function's name once cut."""
     code = getattr(function, "__code__", None)
     if code is None:
         raise TypeError(f"{function!r} is not a Python function")
@@ -72,6 +74,9 @@ def arm_cut(function: Callable[..., Any]) -> list[str]:
         if event == "call" and frame.f_code is code and not fired:
             fired.append(code.co_qualname)
             sys.setprofile(previous)
+            if signum is not None:
+                os.kill(os.getpid(), signum)
+                return
             raise Cut
 
     sys.setprofile(profile)
