@@ -144,6 +144,10 @@ class AsyncLock:
                     raise self._lock.busy_error(limit, await self.current())
                 pause = SLICE if remaining is None else min(SLICE, remaining)
                 place = await self.wait_once(pause, place)
+        except BaseException:  # a timeout, an error, a cancel: left before it is raised
+            place, left = None, place
+            await self.leave_now(left)
+            raise
         finally:
             self._acquiring = False
             self.leave(place)
@@ -164,6 +168,14 @@ class AsyncLock:
             place.leave()  # the asyncio client's: left by a task of the loop
         elif place is not None:
             pool().submit(place.leave)
+
+    async def leave_now(self, place: Place | None) -> None:
+        """Leave ``place`` before returning, as an acquire that gives up does: the loop may
+        end right after it (``asyncio.run`` returning), before a task of it would run."""
+        if place is not None and self._store is not None:
+            await place.leave_now()
+        else:
+            self.leave(place)  # in the pool, whose thread runs whatever the loop does
 
     def _claim(self) -> None:
         """Mark this AsyncLock as being acquired, checked and marked in one step of the

@@ -110,7 +110,7 @@ async def cancellable(wait: Awaitable[Place | None]) -> Place | None:
     if not task.cancelled() and task.exception() is None:
         place = task.result()
         if place is not None:
-            place.leave()
+            await place.leave_now()  # before the cancel is raised: the loop may end then
     raise cancelled
 
 

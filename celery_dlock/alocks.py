@@ -90,6 +90,10 @@ class AsyncLocks(KeySet[AsyncLock]):
                 if pause is None:
                     raise busy._lock.busy_error(limit, await busy.current())
                 place = await busy.wait_once(pause, place)  # another key's is left
+        except BaseException:  # a timeout, an error, a cancel: left before it is raised
+            place, left = None, place
+            await self.locks[0].leave_now(left)
+            raise
         finally:
             self._acquiring = False
             self.locks[0].leave(place)

@@ -11,7 +11,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
@@ -122,6 +122,9 @@ class Check:
     detail: str
 
 
+_P = TypeVar("_P", bound="Place")
+
+
 class Place(ABC):
     """A caller's place in a store's queue of waiters for ``key``, from ``wait``.
 
@@ -131,6 +134,17 @@ class Place(ABC):
 
     key: str
 
+    @classmethod
+    def of(cls: type[_P], place: Place | None, key: str) -> _P | None:
+        """``place`` if it is a place of this kind in the queue of ``key`` still held; a
+        place of this kind for another key is left."""
+        if not isinstance(place, cls) or not place.held:
+            return None
+        if place.key != key:
+            place.leave()
+            return None
+        return place
+
     @property
     @abstractmethod
     def held(self) -> bool:
@@ -139,6 +153,12 @@ class Place(ABC):
     @abstractmethod
     def leave(self) -> None:
         """Give the place up: the next waiter moves up. Idempotent."""
+
+    async def leave_now(self) -> None:
+        """:meth:`leave`, and return once the store has let the next waiter in: from an
+        asyncio client, whose ``leave`` runs in a task of the event loop (which may end
+        before the task runs, ``asyncio.run`` returning: the place then stayed held)."""
+        self.leave()
 
 
 @runtime_checkable

@@ -3,7 +3,8 @@ raised: the next tasks, and a trace or profile function (coverage, a debugger), 
 before it. Found by a test suite that hung: the interrupter cleared the exception it had
 set with ``PyThreadState_SetAsyncExc(thread, NULL)``, which on CPython 3.11 leaves the
 interpreter's eval breaker set for good; under a profile function the next call of a
-Python function then spun at 100% CPU for ever (until pytest-timeout's 300 s).
+Python function then spun at 100% CPU for ever (the xdist worker that had run
+``test_on_lock_lost_raise_stops_the_body`` hung in the next soft-limit test it ran).
 
 The task runs in a child process (a hang there is a failure here, not a hang of the suite):
 its lease is taken from it while its body runs, the body gets LockLostError, and the same

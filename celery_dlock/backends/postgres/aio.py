@@ -11,7 +11,7 @@ that ended, or that a sweep finds ended elsewhere. The loop's connections close 
 What is the blocking client's is used, not repeated: statements, rows (:mod:`.calls`,
 :mod:`.rows`), the checks when a session opens, the politeness to the waiters of a key
 just released. A statement cancelled by the caller is cancelled on the server (psycopg);
-a cancelled waiter's connection is closed, leaving its queue.
+a cancelled waiter leaves its queue before the cancel is raised (:mod:`.aplace`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from celery_dlock.backends.common import (
     weakly,
 )
 from celery_dlock.backends.postgres import rows, waiting
+from celery_dlock.backends.postgres.aplace import AsyncPlace
 from celery_dlock.backends.postgres.calls import Release
 from celery_dlock.backends.postgres.config import Config, translate
 from celery_dlock.backends.postgres.ended import connection_lost, end_notice, has_ended
@@ -223,52 +224,6 @@ class _Loop(LoopOwned):
         self.idle_waiters.clear()
 
 
-class _Queued(Place):
-    """A waiter connection of a loop in the queue of ``key`` whose wait returned (see the
-    blocking ``Queued``): left or used up, it leaves the queue in a task of the loop."""
-
-    __slots__ = ("_loop", "conn", "key", "left")
-
-    def __init__(self, key: str, conn: psycopg.AsyncConnection[Any], loop: _Loop) -> None:
-        self.key = key
-        self.conn = conn
-        self._loop = loop
-        self.left = False
-
-    @classmethod
-    def of(cls, place: Place | None, key: str) -> _Queued | None:
-        if not isinstance(place, _Queued) or not place.held:
-            return None
-        if place.key != key:
-            place.leave()
-            return None
-        return place
-
-    @property
-    def held(self) -> bool:
-        return not self.left
-
-    def leave(self, close: bool = False) -> None:
-        if self.left:
-            return
-        self.left = True
-        task = asyncio.get_running_loop().create_task(self._loop.end_wait(self.conn, close))
-        _tasks.add(task)  # kept until done: the loop holds tasks only weakly
-        task.add_done_callback(_tasks.discard)
-
-    async def leave_now(self) -> None:
-        """Leave, and return once the server has let the next waiter in (or, if that fails,
-        once the connection is closed, which the server sees a moment later): a cancel of
-        the wait, raised after this, leaves nothing queued behind it, even if the event
-        loop ends right after it (a task of the loop might then never run)."""
-        if not self.left:
-            self.left = True
-            await self._loop.end_wait(self.conn)
-
-
-_tasks: set[asyncio.Task[None]] = set()
-
-
 class AsyncPostgres:
     """A :class:`~celery_dlock.backends.base.AsyncStore` for one ``PostgresBackend``."""
 
@@ -307,14 +262,14 @@ class AsyncPostgres:
         params: dict[str, Any] = {"key": key, "token": new_token(), "ttl": validate_ttl(ttl)}
         params |= {"holder": self._holder_json(holder), "replace": replace}
         state = self._loop()
-        queued = _Queued.of(place, key)
+        queued = AsyncPlace.of(place, key)
         polite = queued is None and replace is None and self._clients.get().yielding(key)
         try:
             async with state.mutex:
                 row = await self._acquire(state, holder, params, polite=polite)
-        except BaseException:
+        except BaseException:  # an error, a cancel: the place is left before it is raised
             if queued is not None:
-                queued.leave()
+                await queued.leave_now()
             raise
         if queued is not None and row is not None:
             queued.leave()  # used up: the next waiter now queues on us, server-side
@@ -447,7 +402,7 @@ class AsyncPostgres:
 
     async def wait(self, key: str, timeout: float, place: Place | None = None) -> Place | None:
         """``waiting.wait`` on a waiter connection of this loop."""
-        queued = _Queued.of(place, key)
+        queued = AsyncPlace.of(place, key)
         if timeout <= 0:
             return queued
         params = {"key": key, "ms": max(1, math.ceil(timeout * 1000))}
@@ -456,7 +411,7 @@ class AsyncPostgres:
         if conn is None:  # max_waiters are busy: poll
             await asyncio.sleep(min(timeout, random.uniform(0.025, 0.05)))
             return None
-        ours = queued or _Queued(key, conn, state)
+        ours = queued or AsyncPlace(key, conn, state)
         try:
             cursor = psycopg.AsyncClientCursor(conn)
             await cursor.execute(self._sql.wait if queued is None else self._sql.wait_again, params)

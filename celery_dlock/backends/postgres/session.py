@@ -383,17 +383,6 @@ class Queued(Place):
         self._client = client
         self._leave = weakref.finalize(self, client.end_wait, conn)
 
-    @classmethod
-    def of(cls, place: Place | None, key: str) -> Queued | None:
-        """``place`` if it is a place of this store in the queue of ``key`` still held; a
-        place for another key is left."""
-        if not isinstance(place, Queued) or not place.held:
-            return None
-        if place.key != key:
-            place.leave()
-            return None
-        return place
-
     @property
     def held(self) -> bool:
         return self._leave.alive

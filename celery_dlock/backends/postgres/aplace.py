@@ -1,0 +1,52 @@
+"""An asyncio waiter's place in the queue of a key: the waiter connection whose wait
+returned, from the loop's ``wait`` until it is left or used up (see the blocking
+``Queued``). Left by a task of the event loop, or, by an acquire that gives up (a timeout,
+an error, a cancel), before that is raised: a task of a loop that ends right after
+(``asyncio.run`` returning) might never run, and the place then stayed held, refusing the
+next try of the key by anyone, until the connection was collected."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+
+from celery_dlock.backends.base import Place
+
+if TYPE_CHECKING:
+    from celery_dlock.backends.postgres.aio import _Loop
+
+__all__ = ["AsyncPlace"]
+
+_tasks: set[asyncio.Task[None]] = set()
+
+
+class AsyncPlace(Place):
+    """A waiter connection of a loop in the queue of ``key``."""
+
+    __slots__ = ("_loop", "conn", "key", "left")
+
+    def __init__(self, key: str, conn: psycopg.AsyncConnection[Any], loop: _Loop) -> None:
+        self.key = key
+        self.conn = conn
+        self._loop = loop
+        self.left = False
+
+    @property
+    def held(self) -> bool:
+        return not self.left
+
+    def leave(self) -> None:
+        if not self.left:
+            self.left = True
+            task = asyncio.get_running_loop().create_task(self._loop.end_wait(self.conn))
+            _tasks.add(task)  # kept until done: the loop holds tasks only weakly
+            task.add_done_callback(_tasks.discard)
+
+    async def leave_now(self) -> None:
+        """Leave, and return once the server has let the next waiter in (or, if that fails,
+        once the connection is closed, which the server sees a moment later)."""
+        if not self.left:
+            self.left = True
+            await self._loop.end_wait(self.conn)
