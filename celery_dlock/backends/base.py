@@ -157,7 +157,7 @@ class Place(ABC):
     async def leave_now(self) -> None:
         """:meth:`leave`, and return once the store has let the next waiter in: from an
         asyncio client, whose ``leave`` runs in a task of the event loop (which may end
-        before the task runs, ``asyncio.run`` returning: the place then stayed held)."""
+        before the task has run, ``asyncio.run`` returning)."""
         self.leave()
 
 

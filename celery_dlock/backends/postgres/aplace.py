@@ -2,8 +2,8 @@
 returned, from the loop's ``wait`` until it is left or used up (see the blocking
 ``Queued``). Left by a task of the event loop, or, by an acquire that gives up (a timeout,
 an error, a cancel), before that is raised: a task of a loop that ends right after
-(``asyncio.run`` returning) might never run, and the place then stayed held, refusing the
-next try of the key by anyone, until the connection was collected."""
+(``asyncio.run`` returning) may be cut or never run, and the place then stayed held until
+the server saw the connection closed, refusing the next try of the key by anyone."""
 
 from __future__ import annotations
 
