@@ -6,7 +6,9 @@ the new task id). While the message is being sent the mark lives with its produc
 most ``SEND_TTL``): a producer killed before its send leaves nothing that blocks the key for
 long. Once the message is on the broker the mark is handed over to it
 (``LockBackend.hand_over``): it lives by its ttl alone (``dedupe_ttl``, plus any countdown),
-whatever becomes of the producer, so that a lost message never blocks the key for ever. A second
+whatever becomes of the producer, so that a lost message never blocks the key for ever (a
+producer that is itself a task in a pool child holds its own soft time limit back until the
+hand-over is done: cut, the mark would end at ``SEND_TTL``, its message still queued). A second
 ``apply_async`` with the same key while the mark is held sends nothing and answers with the
 queued task's ``AsyncResult`` (``on_duplicate``). The mark travels in a message header; the
 worker releases it by that lease's token, never by key alone:
@@ -52,6 +54,7 @@ from typing import Any
 from celery.exceptions import Ignore, Reject, Retry
 from celery.utils import uuid
 
+from celery_dlock import critical
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.outcomes import outcome_of, replaced_by
 from celery_dlock.celery.policies import call_policy
@@ -147,7 +150,11 @@ def send(
         details = f"the message was not sent ({type(exc).__name__}: {exc})"
         release_mark(mark, lease, Outcome.FAILED, type(exc).__name__, details)
         raise
-    _hand_over(mark, lease, ttl)
+    critical.enter()  # a producer's soft limit (a task in a pool child) waits for it
+    try:
+        _hand_over(mark, lease, ttl)
+    finally:
+        critical.leave()
     return sent
 
 
