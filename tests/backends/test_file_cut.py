@@ -10,6 +10,7 @@ finds it by its owner."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from celery_dlock import Holder, Outcome, critical
 from celery_dlock.backends.file import FileBackend
 from celery_dlock.backends.file.state import Locked
 from celery_dlock.celery import softlimit
+from tests.support import eventually
 from tests.support.cuts import CUT_SIGNAL, Cut, cutting, signal_on_entry
 from tests.support.poolchild import pool_child
 
@@ -111,12 +113,16 @@ def test_a_cut_right_after_the_stripe_mutex_was_taken_frees_it(tmp_path: Path) -
     backend = FileBackend.from_url(url)
     key = f"job:cut-{uuid.uuid4().hex[:6]}"
     stripe = backend._files.get().stripe(key)
-    taken, waiting = threading.Event(), threading.Event()
+    taken = threading.Event()
+    main = threading.main_thread()
 
     def hold_the_stripe() -> None:
         with stripe:
             taken.set()
-            waiting.wait(WAIT)
+            # Once the main thread waits for the stripe (had it not got there yet, its
+            # acquire would find the stripe free, take it without waiting, and look for the
+            # signal only at its next system call: a later point of the step).
+            eventually(lambda: _waits_for_the_stripe(main), "the main thread waiting")
             os.kill(os.getpid(), CUT_SIGNAL)  # comes to this thread: the main one blocks it
 
     other = threading.Thread(target=hold_the_stripe, daemon=True)
@@ -126,7 +132,6 @@ def test_a_cut_right_after_the_stripe_mutex_was_taken_frees_it(tmp_path: Path) -
             assert taken.wait(WAIT)
             signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_SIGNAL})
             try:
-                threading.Timer(0.2, waiting.set).start()  # once the main thread waits
                 with pytest.raises(Cut) as cut:
                     backend.try_acquire(key, Holder.current(), 30)
             finally:
@@ -139,6 +144,26 @@ def test_a_cut_right_after_the_stripe_mutex_was_taken_frees_it(tmp_path: Path) -
         assert _read_elsewhere(url, key) == "None"
     finally:
         backend.close()
+
+
+def _acquire_line() -> int:
+    """The line of ``Locked.__enter__`` that takes the stripe mutex."""
+    lines, first = inspect.getsourcelines(Locked.__enter__)
+    return first + next(n for n, line in enumerate(lines) if "mutex.acquire()" in line)
+
+
+def _waits_for_the_stripe(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is asleep in the stripe mutex's ``acquire`` (its frame on that
+    line, and the kernel's state of the thread ``S``)."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    if (
+        frame is None
+        or frame.f_code is not Locked.__enter__.__code__
+        or frame.f_lineno != _acquire_line()
+    ):
+        return False
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "S"
 
 
 def _frames(exc: BaseException) -> list[str]:
