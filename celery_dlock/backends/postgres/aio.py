@@ -411,7 +411,7 @@ class AsyncPostgres:
         if conn is None:  # max_waiters are busy: poll
             await asyncio.sleep(min(timeout, random.uniform(0.025, 0.05)))
             return None
-        ours = queued or AsyncPlace(key, conn, state)
+        ours = queued or AsyncPlace(key, conn, state.end_wait)
         try:
             cursor = psycopg.AsyncClientCursor(conn)
             await cursor.execute(self._sql.wait if queued is None else self._sql.wait_again, params)

@@ -8,16 +8,18 @@ the server saw the connection closed, refusing the next try of the key by anyone
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import psycopg
 
 from celery_dlock.backends.base import Place
 
-if TYPE_CHECKING:
-    from celery_dlock.backends.postgres.aio import _Loop
+#: The loop's ``end_wait``: the connection leaves the queue and goes back to the loop's idle
+#: waiters (closed if that fails).
+EndWait = Callable[[psycopg.AsyncConnection[Any]], Coroutine[Any, Any, None]]
 
-__all__ = ["AsyncPlace"]
+__all__ = ["AsyncPlace", "EndWait"]
 
 _tasks: set[asyncio.Task[None]] = set()
 
@@ -25,12 +27,12 @@ _tasks: set[asyncio.Task[None]] = set()
 class AsyncPlace(Place):
     """A waiter connection of a loop in the queue of ``key``."""
 
-    __slots__ = ("_loop", "conn", "key", "left")
+    __slots__ = ("_end_wait", "conn", "key", "left")
 
-    def __init__(self, key: str, conn: psycopg.AsyncConnection[Any], loop: _Loop) -> None:
+    def __init__(self, key: str, conn: psycopg.AsyncConnection[Any], end_wait: EndWait) -> None:
         self.key = key
         self.conn = conn
-        self._loop = loop
+        self._end_wait = end_wait
         self.left = False
 
     @property
@@ -40,7 +42,7 @@ class AsyncPlace(Place):
     def leave(self) -> None:
         if not self.left:
             self.left = True
-            task = asyncio.get_running_loop().create_task(self._loop.end_wait(self.conn))
+            task = asyncio.get_running_loop().create_task(self._end_wait(self.conn))
             _tasks.add(task)  # kept until done: the loop holds tasks only weakly
             task.add_done_callback(_tasks.discard)
 
@@ -49,4 +51,4 @@ class AsyncPlace(Place):
         once the connection is closed, which the server sees a moment later)."""
         if not self.left:
             self.left = True
-            await self._loop.end_wait(self.conn)
+            await self._end_wait(self.conn)
