@@ -126,8 +126,8 @@ def canonical(value: Any) -> str:
     if kind is int:
         try:
             return str(value)
-        except ValueError:  # past sys.get_int_max_str_digits() (4300)
-            return _canonical_int(value)
+        except ValueError:  # past sys.get_int_max_str_digits() (4300): past a key's length too
+            raise _too_long(value) from None
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -137,7 +137,7 @@ def canonical(value: Any) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, int):
-        return _canonical_int(int(value))
+        return canonical(int(value))
     if isinstance(value, float):  # 42.0 as 42 and 1e-07 as 0.0000001: as int and Decimal
         return _canonical_decimal(Decimal(repr(value)))
     if isinstance(value, Decimal):
@@ -157,14 +157,12 @@ def canonical(value: Any) -> str:
     )
 
 
-def _canonical_int(value: int) -> str:
-    try:
-        return str(value)
-    except ValueError:  # past sys.get_int_max_str_digits() (4300): past a key's length too
-        raise LockKeyError(
-            f"an integer of about {value.bit_length() * 0.30103:.0f} digits is past a key's "
-            f"{MAX_KEY_BYTES} bytes"
-        ) from None
+def _too_long(value: int) -> LockKeyError:
+    """The error for an integer too long to print (and past a key's length)."""
+    return LockKeyError(
+        f"an integer of about {value.bit_length() * 0.30103:.0f} digits is past a key's "
+        f"{MAX_KEY_BYTES} bytes"
+    )
 
 
 def _canonical_decimal(value: Decimal) -> str:
