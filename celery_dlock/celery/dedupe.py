@@ -122,7 +122,9 @@ def send(
     send_message: Callable[..., Any],
 ) -> Any:
     """``apply_async`` under a mark: send ``args``/``kwargs`` with ``send_message`` (the
-    task's own ``apply_async``) unless a message of this task and key is queued already.
+    task's own ``apply_async``) unless a message of this task and key is queued already. A
+    producer's soft limit (a task in a pool child) waits for the send and the hand-over: in
+    the send, it would leave unknown whether the broker took the message.
 
     Raises:
         DuplicateTaskError: a duplicate, with ``on_duplicate="raise"``.
@@ -144,14 +146,14 @@ def send(
         raise BackendError(f"the dedupe mark {key!r} changed hands {_ATTEMPTS} times", None)
     lease = mark.detach()  # the message holds it now, not this process
     headers = {**(options.pop("headers", None) or {}), DEDUPE_HEADER: lease.to_dict()}
+    critical.enter()
     try:
-        sent = send_message(args, kwargs, task_id=task_id, headers=headers, **options)
-    except BaseException as exc:
-        details = f"the message was not sent ({type(exc).__name__}: {exc})"
-        release_mark(mark, lease, Outcome.FAILED, type(exc).__name__, details)
-        raise
-    critical.enter()  # a producer's soft limit (a task in a pool child) waits for it
-    try:
+        try:
+            sent = send_message(args, kwargs, task_id=task_id, headers=headers, **options)
+        except BaseException as exc:
+            details = f"the message was not sent ({type(exc).__name__}: {exc})"
+            release_mark(mark, lease, Outcome.FAILED, type(exc).__name__, details)
+            raise
         _hand_over(mark, lease, ttl)
     finally:
         critical.leave()
@@ -168,9 +170,8 @@ def _hand_over(mark: Lock, lease: Lease, ttl: float) -> None:
         handed = mark.backend.hand_over(lease, ttl, if_unchanged=True)
     except BackendError as exc:
         extra = fields("hand_over_failed", lease)
-        logger.error(
-            "could not hand the dedupe mark %s to its message: %s", lease.key, exc, extra=extra
-        )
+        msg = "could not hand the dedupe mark %s to its message: %s"
+        logger.error(msg, lease.key, exc, extra=extra)
         return
     if handed is None:
         _ended_before_hand_over(mark.backend, lease)
@@ -215,11 +216,8 @@ _CONTINUATION = ("parent_id", "root_id")
 
 def in_workflow(options: dict[str, Any]) -> bool:
     """Whether the message of ``options`` carries, belongs to or continues a workflow."""
-    return (
-        options.get("chain") is not None
-        or any(options.get(name) for name in _WORKFLOW)
-        or any(options.get(name) for name in _CONTINUATION)
-    )
+    names = _WORKFLOW + _CONTINUATION
+    return options.get("chain") is not None or any(options.get(name) for name in names)
 
 
 def mark_ttl(task: Any, default: float, options: dict[str, Any]) -> float:
