@@ -56,6 +56,7 @@ from celery.utils import uuid
 
 from celery_dlock import critical
 from celery_dlock.backends.base import LockBackend
+from celery_dlock.celery import busy
 from celery_dlock.celery.outcomes import outcome_of, replaced_by
 from celery_dlock.celery.policies import call_policy
 from celery_dlock.celery.revoking import (
@@ -296,10 +297,8 @@ def _run_until_finished(task: Any, mark: Lease, run: Callable[[], Any], where: s
     """``until_finished``: the mark ends with the body's outcome; a Retry keeps it. With
     ``expires``, it is lengthened to ``dedupe_ttl`` as the message is taken (its run may be
     long), and again once the body lock is held (see :func:`_bound_for_retry`)."""
-    ended: tuple[Outcome, str] | tuple[Outcome, str, str] | None = (
-        Outcome.SUCCEEDED,
-        f"finished on {where}",
-    )
+    ended: tuple[Outcome, str] | tuple[Outcome, str, str] | None
+    ended = (Outcome.SUCCEEDED, f"finished on {where}")
     expires = getattr(task.request, "expires", None)
     started = False
     held: set[str] = set()  # the tokens of this attempt's body leases
@@ -405,7 +404,10 @@ def _run_until_started(task: Any, mark: Lease, run: Callable[[], Any], where: st
     def on_held() -> None:
         nonlocal started
         if not started:
-            may = may_start(task, mark, where, release=True)
+            try:
+                may = may_start(task, mark, where, release=True)
+            except BackendError as exc:  # the mark stands: re-queued, the body not run
+                busy.store_failed(task, exc)
             started = True  # the mark ended: cut before, it is ended as before a start
             if not may:
                 end_revoked(task, mark, where)

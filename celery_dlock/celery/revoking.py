@@ -50,6 +50,7 @@ from celery_dlock.keys import MARK, is_mark
 from celery_dlock.lock import Lock
 from celery_dlock.process import shared_backend
 from celery_dlock.records import Holder, Lease, Outcome, Record
+from celery_dlock.releasing import Ending, unsettled
 
 __all__ = [
     "REVOKING",
@@ -241,18 +242,19 @@ def _release(backend: LockBackend, mark: Lease) -> Record | None:
 def release_mark(
     lock: Lock, mark: Lease, outcome: Outcome, problem: str | None, details: str
 ) -> Record | None:
-    """Release ``mark`` by its token through ``lock``; a store error is logged (the mark
-    then ends at its ttl) and gives None, as does a mark that ended meanwhile."""
+    """Release ``mark`` by its token through ``lock``; None for a mark that ended meanwhile.
+    A store error is logged and gives None: the release is tried again at this process's
+    next release that reaches the store (``releasing.unsettled``; a mark left meanwhile
+    would have later calls coalesced into a message that has run), else the mark ends at
+    its ttl."""
     try:
         return lock.end(mark, outcome, problem, details)
     except BackendError as exc:
+        unsettled.add(lock.backend, Ending(mark, outcome, problem, details, None, False))
         extra = fields("release_failed", mark, outcome=outcome)
-        logger.error(
-            "could not release the dedupe mark %s (it ends at its ttl): %s",
-            mark.key,
-            exc,
-            extra=extra,
-        )
+        message = "could not release the dedupe mark %s (tried again at this process's next "
+        message += "release, else it ends at its ttl): %s"
+        logger.error(message, mark.key, exc, extra=extra)
         return None
 
 
@@ -330,7 +332,11 @@ def may_start(task: Any, mark: Lease, where: str, *, release: bool) -> bool:
     the guard (waiting while a revoker holds it), then at the mark: each side writes
     before it reads what the other writes, so one of them at least sees the other. Either
     the revoker leaves the mark of a body that runs, or the worker finds its mark revoked.
-    A store error is logged and the body runs, as it did before the handshake."""
+    A store error is raised with ``release`` (the mark stands: a body started now would
+    have later calls coalesced into a run that has begun); else logged, and the body runs.
+
+    Raises:
+        BackendError: with ``release``, the store failed."""
     backend = shared_backend(settings(task.app).backend)
     try:
         _await_revoker(backend, mark.key + REVOKING)
@@ -347,6 +353,8 @@ def may_start(task: Any, mark: Lease, where: str, *, release: bool) -> bool:
         found = backend.history(mark.key, Outcome.REVOKED, mark.acquired_at - _SKEW, None)
         return all(record.lease.token != mark.token for record in found)
     except BackendError as exc:
+        if release:
+            raise
         extra = fields("revoke_check_failed", mark)
         logger.error(
             "cannot tell whether the dedupe mark %s was revoked; the body runs: %s",
