@@ -36,7 +36,7 @@ from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
 
 from celery_dlock.celery import dedupe, revoking, softlimit
-from celery_dlock.celery.dedupe import body_leases, end_mark, mark_of
+from celery_dlock.celery.dedupe import DEDUPE_HEADER, body_leases, end_mark, mark_of
 from celery_dlock.celery.settings import enable_metrics, settings
 from celery_dlock.errors import BackendError, DLockError
 from celery_dlock.events import fields
@@ -107,16 +107,53 @@ def _task_failed(
         return
     if not isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
         return
-    # The child died: its message's dedupe mark goes too. Celery 5.7 puts the message's
-    # request on the task's request stack while it sends this signal (Request.on_failure).
+    # The child died: its message's dedupe mark goes too, unless the message is sent again.
+    # Celery 5.7 puts the message's request on the task's request stack while it sends this
+    # signal (Request.on_failure).
     request = getattr(sender, "request", None)
     details = f"{type(exception).__name__}: {exception}"
-    if task_id is not None and getattr(request, "id", None) is None:  # Celery before 5.7
-        attempt = {"args": args, "kwargs": kwargs, "details": details}
-        _end_mark_of_task_id(sender, task_id, outcome=Outcome.DISCONNECTED, **attempt)
-    else:
-        _end_carried_mark(sender, request, task_id, Outcome.DISCONNECTED, details)
+    lost = isinstance(exception, WorkerLostError)
+    if not (lost and _send_again(sender, request, task_id, exception)):
+        if task_id is not None and getattr(request, "id", None) is None:  # before Celery 5.7
+            attempt = {"args": args, "kwargs": kwargs, "details": details}
+            _end_mark_of_task_id(sender, task_id, outcome=Outcome.DISCONNECTED, **attempt)
+        else:
+            _end_carried_mark(sender, request, task_id, Outcome.DISCONNECTED, details)
     _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
+
+
+def _send_again(task: Any, request: Any, task_id: str | None, exception: BaseException) -> bool:
+    """An ``until_started`` message whose child died before its body started (the mark it
+    carried still stands: it ends as the body starts) is sent again under that mark, as
+    Celery's ``retry_on_worker_lost`` sends a task again (its state ``RETRY``): the calls
+    coalesced into it get the run they were promised, where ending the mark would have
+    dropped them all with the one message. True if sent. Not for a message that comes back
+    by itself (``acks_late`` with ``reject_on_worker_lost``), nor where the store or the
+    broker fails (the mark is ended then, as for a body that started)."""
+    if getattr(task, "dedupe", None) != "until_started" or getattr(request, "id", None) != task_id:
+        return False
+    mark = mark_of(request)
+    if mark is None or (task.acks_late and task.reject_on_worker_lost):
+        return False
+    try:
+        current = Lock(settings(task.app).backend, mark.key).current()
+        if current is None or current.token != mark.token:
+            return False  # it started (the mark ended), or a revoke ended it
+        headers = {**(getattr(request, "headers", None) or {}), DEDUPE_HEADER: mark.to_dict()}
+        task.signature_from_request(request, headers=headers).apply_async()
+    except Exception as exc:  # the store, or the broker: the mark is ended instead
+        extra = fields("send_again_failed", mark, task_id=task_id)
+        logger.error("could not send %s[%s] again: %s", task.name, task_id, exc, extra=extra)
+        return False
+    dedupe.extend_mark(task, mark, dedupe.mark_ttl(task, settings(task.app).dedupe_ttl, {}))
+    if not getattr(request, "ignore_result", False):
+        task.backend.mark_as_retry(task_id, exception, request=request)
+    extra = fields("sent_again", mark, task_id=task_id)
+    logger.warning(
+        "%s[%s] sent again under its dedupe mark: its child died before its body started (%s)",
+        task.name, task_id, exception, extra=extra,
+    )  # fmt: skip
+    return True
 
 
 def _soft_limit(task: Any, task_id: str | None, exception: BaseException) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from celery import chain, group
 
-from celery_dlock import BackendError, DuplicateTaskError, Outcome, backend_from_url
+from celery_dlock import BackendError, DuplicateTaskError, Lock, Outcome, backend_from_url
 from celery_dlock.records import Record
 from tests.celery.prefork import (
     BROKER_DB,
@@ -327,6 +327,45 @@ def test_a_child_killed_mid_task_has_its_mark_released_by_the_parent(worker: Wor
     assert record.outcome is Outcome.DISCONNECTED
     assert record.lease.holder.task_id == running.id
     assert report.delay(who, 0).id != running.id  # nothing left blocking the key
+
+
+def test_a_child_killed_before_its_body_started_has_its_message_sent_again(
+    worker: Worker,
+) -> None:
+    """``until_started``: the calls coalesced into a message are promised a run that starts
+    after them. A child killed while it waits for the busy key (its mark still held) ran no
+    body: the parent sends the message again under its mark (state ``RETRY``), instead of
+    ending the mark and dropping every coalesced call with the message (found by the dedupe
+    soak: ``bench/torture/dedupesoak.py``)."""
+    who = customer()
+    sync = worker.tasks.sync_wait
+    key = mark_of("w.sync_wait", f"sync:{who}")
+    busy = Lock(worker.store, f"job:sync:{who}")
+    busy.acquire()
+    try:
+        first = sync.delay(who)
+        waiting = eventually(
+            lambda: next((e for e in worker.events() if e["id"] == first.id), None),
+            "its child past task_prerun",
+        )
+        os.kill(waiting["pid"], signal.SIGKILL)
+        # A fresh AsyncResult each time: one that read FAILURE (stored by Celery just before
+        # the parent's handler sends the message again) keeps it.
+        state = lambda: sync.AsyncResult(first.id).state  # noqa: E731
+        eventually(lambda: state() == "RETRY", "the message sent again")
+        mark = worker.store.get(key)
+        assert mark is not None and mark.holder.task_id == first.id
+        assert sync.delay(who).id == first.id  # not started: still a duplicate
+    finally:
+        busy.release()
+    ran = sync.AsyncResult(first.id).get(timeout=60)
+    assert ran["pid"] != waiting["pid"]  # the message sent again ran
+    assert [e["event"] for e in worker.events() if e["id"] == first.id] == [
+        "prerun", "prerun", "start", "end",
+    ]  # fmt: skip
+    [record] = marks(worker, key, 1)
+    assert (record.outcome, record.lease.holder.task_id) == (Outcome.DEQUEUED, first.id)
+    assert sync.delay(who).id != first.id
 
 
 def test_a_producer_killed_between_mark_and_send_leaves_nothing_that_blocks_the_key(

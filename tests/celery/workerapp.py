@@ -19,6 +19,8 @@ if not __package__:
     # first on sys.path, as pytest's `pythonpath = ["."]` puts it, for `tests.support`.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from celery.signals import task_prerun
+
 from tests.support.workerapps import kill_if_asked, ledger, locked_task, worker_app, write_event
 
 app = worker_app("workerapp")
@@ -134,6 +136,18 @@ def sync(self: Any, customer: str, seconds: float) -> dict[str, Any]:
 )
 def sync_strict(self: Any, customer: str) -> dict[str, Any]:
     return _body(self, 0)
+
+
+@locked_task(app, "w.sync_wait", lock_key="sync:{customer}", dedupe="until_started", lock_wait=60)
+def sync_wait(self: Any, customer: str) -> dict[str, Any]:
+    """Waits for a busy key inside its child, its mark held: a test kills it there."""
+    return _body(self, 0)
+
+
+@task_prerun.connect
+def _before_the_lock(sender: Any = None, **_: Any) -> None:
+    if getattr(sender, "name", None) == "w.sync_wait":
+        ledger("prerun", sender)  # key, fence and token None: no lease yet
 
 
 @locked_task(app, "w.report", lock_key="report:{customer}", dedupe="until_finished", max_retries=1)
