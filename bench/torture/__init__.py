@@ -63,6 +63,8 @@ to the workers), and the checker's rules stay the same. A tmpfs still full at th
 history) fails the run.
 
 ``soak.py``: the Celery soak, through a real prefork worker (its own docstring).
+``dedupesoak.py``: webhooks coalesced by ``dedupe``, through a real prefork worker, with
+kills and restarts (its own docstring).
 
 ``--short`` is the CI size (about 12 s per store, ``tests/test_torture.py``; the file
 store's disk full twice, as root); ``--long`` the issue's long mode. The ledger of a Postgres

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 from celery_dlock import BackendError, LockBackend, backend_from_url
 
 from .chaos import stopped
+from .common import stop_worker
 from .ledger import PostgresLedger
 from .servers import PostgresServer, RedisServer
 from .soakcheck import SoakReport, check, table
@@ -327,15 +328,7 @@ class Soak:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def _stop_worker(self) -> None:
-        if self.worker is None:
-            return
-        if self.worker.poll() is None:
-            self.worker.send_signal(signal.SIGTERM)  # warm shutdown
-            try:
-                self.worker.wait(60)
-            except subprocess.TimeoutExpired:
-                self.worker.kill()
-                self.worker.wait()
+        stop_worker(self.worker)
         self.worker = None
 
 

@@ -24,7 +24,6 @@ null if the ledger's server failed, ``"kept"`` if the success was kept already).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -35,6 +34,7 @@ from celery import Celery
 
 from celery_dlock import AlreadySucceededError, LockedTask, install
 
+from .common import append_jsonl, soak_config
 from .ledger import Ledger, LedgerError, open_ledger
 
 ENV = os.environ.get
@@ -45,20 +45,12 @@ BROKEN = ENV("DLOCK_SOAK_BROKEN") == "1"
 
 app = Celery("dlock_soak")
 app.conf.update(
-    broker_url=ENV("DLOCK_SOAK_BROKER", "redis://127.0.0.1:6379/7"),
-    broker_transport_options={
-        "visibility_timeout": VISIBILITY,
-        # kombu 5.7 sweeps for unacked messages every interval x throttle seconds (100 s by
-        # default): every second here, so that redeliveries happen within the run.
-        "unacked_restore_interval": 1,
-        "unacked_restore_throttle": 1,
-    },
-    broker_connection_retry_on_startup=True,
-    task_acks_late=True,
-    task_ignore_result=True,
-    worker_prefetch_multiplier=1,
-    dlock_backend=ENV("DLOCK_SOAK_LOCKS", "memory://"),
-    dlock_namespace=ENV("DLOCK_SOAK_NAMESPACE", "soak"),
+    soak_config(
+        ENV("DLOCK_SOAK_BROKER", "redis://127.0.0.1:6379/7"),
+        ENV("DLOCK_SOAK_LOCKS", "memory://"),
+        ENV("DLOCK_SOAK_NAMESPACE", "soak"),
+        VISIBILITY,
+    )
 )
 install(app)
 
@@ -68,7 +60,6 @@ class StaleWriteError(RuntimeError):
 
 
 _ledger: dict[int, Ledger] = {}
-_log: dict[int, int] = {}
 
 
 def ledger() -> Ledger:
@@ -81,11 +72,7 @@ def ledger() -> Ledger:
 
 def log(**entry: Any) -> None:
     """One line of this process's body log."""
-    pid = os.getpid()
-    if pid not in _log:
-        path = LOGS / f"body-{pid}.jsonl"
-        _log[pid] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.write(_log[pid], (json.dumps(entry, separators=(",", ":")) + "\n").encode())
+    append_jsonl(LOGS / f"body-{os.getpid()}.jsonl", entry)
 
 
 @app.task(

@@ -32,7 +32,7 @@ from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin, wi
 
 psycopg = pytest.importorskip("psycopg")
 
-RUNS: list[str] = []
+runs: list[str] = []
 
 
 @pytest.fixture
@@ -88,11 +88,11 @@ def tasks(schema: str) -> Iterator[dict[str, Any]]:
                   lock_key="sync:{customer}", lock_retry_backoff=0.2,
                   lock_retry_backoff_max=0.2)  # fmt: skip
         def sync(customer: str, dedupe: str = dedupe) -> str:
-            RUNS.append(f"{dedupe}:{customer}")
+            runs.append(f"{dedupe}:{customer}")
             return customer
 
         made[dedupe] = sync
-    RUNS.clear()
+    runs.clear()
     with embedded_worker(app, pool="solo", shutdown_timeout=10):
         yield made
 
@@ -112,14 +112,14 @@ def test_a_mark_the_store_fails_to_end_at_the_start_keeps_the_body_from_running(
         )
         assert retried[0].lease.holder.task_id == first.id
         assert "the test refuses" in (retried[0].details or "")
-        assert RUNS == []  # the body did not run while its mark stood
+        assert runs == []  # the body did not run while its mark stood
         held = store.get(mark)
         assert held is not None and held.holder.task_id == first.id
         assert sync.delay(customer).id == first.id  # not started: a duplicate
     finally:
         answer(schema)
     assert first.get(timeout=30) == customer  # the re-queued message, once the store answers
-    assert RUNS == [f"until_started:{customer}"]
+    assert runs == [f"until_started:{customer}"]
     assert store.get(mark) is None
     [dequeued] = store.history(key=mark)
     assert (dequeued.outcome, dequeued.lease.holder.task_id) == (Outcome.DEQUEUED, first.id)
@@ -145,4 +145,4 @@ def test_a_mark_the_store_fails_to_end_after_the_body_is_ended_at_the_next_relea
     [ended] = store.history(key=mark)
     assert (ended.outcome, ended.lease.holder.task_id) == (Outcome.SUCCEEDED, first.id)
     assert sync.delay(customer).id != first.id
-    assert RUNS == [f"until_finished:{customer}", f"until_started:{other}"]
+    assert runs == [f"until_finished:{customer}", f"until_started:{other}"]

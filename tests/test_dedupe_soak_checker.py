@@ -1,0 +1,68 @@
+"""The dedupe soak's checker (``bench/torture/dedupesoak.py``) on logs written by hand: it
+must report each way a coalesced call can miss its run, and overlapping bodies. (The soak
+itself runs for minutes with a worker, producers and restarts: ``python -m
+bench.torture.dedupesoak``; it is not part of the test run.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.torture.dedupesoak import Logs
+from celery_dlock import Holder, Lease, Outcome, Record
+
+
+def write(path: Path, *entries: dict[str, Any]) -> None:
+    path.write_text("".join(json.dumps(entry) + "\n" for entry in entries) + '{"e": "cut')
+
+
+def call(c: int, mine: str, t: float, got: str | None = None) -> list[dict[str, Any]]:
+    """A webhook under id ``mine`` at ``t``, answered ``got`` (None: cut by a kill)."""
+    sent = [{"e": "call", "c": c, "id": mine, "t": t}]
+    return sent if got is None else [*sent, {"e": "ret", "id": mine, "got": got, "t": t + 0.001}]
+
+
+def body(c: int, task: str, start: float, end: float) -> list[dict[str, Any]]:
+    return [
+        {"e": "start", "c": c, "task": task, "fence": 1, "t": start},
+        {"e": "end", "task": task, "t": end},
+    ]
+
+
+def test_the_checker_reports_every_coalesced_call_without_a_run_after_it(tmp_path: Path) -> None:
+    write(
+        tmp_path / "producer-1.jsonl",
+        *call(1, "a", 1.0, "a"),  # sent; runs at 10
+        *call(1, "early", 5.0, "a"),  # coalesced before the run: kept
+        *call(1, "late", 11.0, "a"),  # coalesced after the run had started: a violation
+        *call(2, "d", 1.0, "d"),  # sent, never runs
+        *call(2, "into-d", 6.0, "d"),  # a violation
+        *call(3, "f", 1.0),  # its producer killed in the call
+        *call(3, "into-f", 2.0, "f"),  # excused
+        *call(4, "m", 1.0, "m"),  # sent; its start is known by its mark's record only
+        *call(4, "into-m", 2.0, "m"),
+    )
+    write(tmp_path / "producer-2.jsonl", {"e": "err", "id": "x", "error": "OperationalError"})
+    write(tmp_path / "body-7.jsonl", *body(1, "a", 10.0, 12.0), *body(5, "p", 20.0, 22.0))
+    write(tmp_path / "body-8.jsonl", *body(1, "b", 11.5, 13.0), *body(5, "q", 22.0, 23.0))
+    logs = Logs(tmp_path)
+    holder = Holder.current(task_id="m", task_name="dsoak.sync")
+    mark = Lease("dsoak:sync:4#queued:dsoak.sync", "t", 1, holder, 1.0, None)
+    ended = logs.add_dequeued([Record(mark, 3.0, Outcome.DEQUEUED, None, None)])
+    assert ended == {"dequeued": 1}
+
+    verdicts, examples = logs.verdicts()
+    assert verdicts == {
+        "sent": 3,
+        "coalesced, run started after": 2,  # "early", and "into-m" by its mark's record
+        "VIOLATION started before the webhook": 1,
+        "VIOLATION never ran, sent": 1,
+        "never ran, its producer was killed (excused)": 1,
+    }
+    assert examples["VIOLATION started before the webhook"] == [
+        "late at 11.0000 given a started at 10.0000 (-1.0000 s)"
+    ]
+    assert logs.overlaps() == 1  # "b" began before "a" ended; "q" began as "p" ended
+    assert logs.started_after(1, 11.0) and not logs.started_after(2, 0.0)
+    assert len(logs.errs) == 1
