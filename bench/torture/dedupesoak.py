@@ -4,10 +4,11 @@ Webhooks for a few customers, submitted as fast as four producer processes can, 
 ``dedupeapp.sync``: a ``LockedTask`` with ``dedupe="until_started"``, through a real
 ``celery worker -P prefork -c 4`` (``acks_late``). Broker and lock store are two private
 ``redis-server`` processes (``appendfsync always``; ``--store postgres``: the store a
-private PostgreSQL, restarted ``-m fast``). Meanwhile, at random moments: worker
-children SIGKILLed (``--child-kills``), producers SIGKILLed (``--producer-kills``) and started
-again, and ``--restarts`` restarts of the broker and of the store (Redis SIGKILLed and
-restarted on its append-only file: nothing acknowledged is lost). Then the producers stop,
+private PostgreSQL, restarted ``-m fast``; ``--store file``: a directory, not restarted).
+Meanwhile, at random moments: worker children SIGKILLed (``--child-kills``), producers
+SIGKILLed (``--producer-kills``) and started again, and ``--restarts`` restarts of the
+broker and of the store (Redis SIGKILLed and restarted on its append-only file: nothing
+acknowledged is lost). Then the producers stop,
 the marks of killed producers run out (``--ttl``), one last webhook per customer is
 submitted, the queue drains, and the checker reads every log and the store's history.
 
@@ -51,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import stop_worker
-from .servers import PostgresServer, RedisServer, Store
+from .servers import FileStore, PostgresServer, RedisServer, Store
 
 REPO = Path(__file__).resolve().parents[2]
 BROKER_DB = 7
@@ -68,9 +69,8 @@ class DedupeSoak:
         self.logs = self.directory / "logs"
         self.logs.mkdir()
         self.broker = RedisServer(restart_delay=0.0)
-        self.store: Store = (
-            PostgresServer() if options.store == "postgres" else RedisServer(restart_delay=0.0)
-        )
+        stores = {"postgres": PostgresServer, "file": FileStore}
+        self.store: Store = stores.get(options.store, lambda: RedisServer(restart_delay=0.0))()
         self.namespace = f"dsoak{os.urandom(3).hex()}"
         self.worker: subprocess.Popen[bytes] | None = None
         self.producers: list[subprocess.Popen[bytes]] = []
@@ -116,7 +116,8 @@ class DedupeSoak:
     def chaos(self, stop: threading.Event, until: float) -> None:
         """Faults at random moments until ``until`` (monotonic)."""
         plan = ["child"] * self.o.child_kills + ["producer"] * self.o.producer_kills
-        plan += ["broker", "store"] * self.o.restarts
+        restarts = ["broker", "store"] if self.store.restart_kinds else ["broker"]
+        plan += restarts * self.o.restarts
         self.random.shuffle(plan)
         span = until - time.monotonic() - 2.0
         times = sorted(self.random.uniform(1.0, span) for _ in plan)
@@ -349,7 +350,7 @@ class Logs:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", choices=("redis", "postgres"), default="redis")
+    parser.add_argument("--store", choices=("redis", "postgres", "file"), default="redis")
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--restarts", type=int, default=1, help="of the broker and the store")
     parser.add_argument("--producers", type=int, default=4)

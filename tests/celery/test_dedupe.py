@@ -349,10 +349,12 @@ def test_a_child_killed_before_its_body_started_has_its_message_sent_again(
             "its child past task_prerun",
         )
         os.kill(waiting["pid"], signal.SIGKILL)
-        # A fresh AsyncResult each time: one that read FAILURE (stored by Celery just before
-        # the parent's handler sends the message again) keeps it.
-        state = lambda: sync.AsyncResult(first.id).state  # noqa: E731
-        eventually(lambda: state() == "RETRY", "the message sent again")
+
+        def retried() -> bool:  # a fresh AsyncResult each time: one that read FAILURE
+            # (stored by Celery just before the parent sends the message again) keeps it
+            return bool(sync.AsyncResult(first.id).state == "RETRY")
+
+        eventually(retried, "the message sent again")
         mark = worker.store.get(key)
         assert mark is not None and mark.holder.task_id == first.id
         assert sync.delay(who).id == first.id  # not started: still a duplicate
