@@ -31,9 +31,12 @@ import time
 from typing import Any
 
 import celery
+from billiard.einfo import ExceptionWithTraceback
 from billiard.exceptions import SoftTimeLimitExceeded, WorkerLostError
 from celery import signals as celery_signals
 from celery.exceptions import TimeLimitExceeded
+from celery.worker.request import Request
+from celery.worker.state import task_ready
 
 from celery_dlock.celery import dedupe, revoking, softlimit
 from celery_dlock.celery.dedupe import DEDUPE_HEADER, body_leases, end_mark, mark_of
@@ -120,6 +123,31 @@ def _task_failed(
         else:
             _end_carried_mark(sender, request, task_id, Outcome.DISCONNECTED, details)
     _release_later(sender, task_id, args, kwargs, Outcome.DISCONNECTED, exception)
+
+
+class LockedRequest(Request):  # type: ignore[misc]  # celery has no type hints
+    """A LockedTask's message in the worker's main process. Where its pool child died
+    before the body started, an ``until_started`` message is sent again under its mark
+    (:func:`_send_again`) before Celery stores a ``FAILURE`` (which an ``AsyncResult``
+    that read it would keep), sends ``task_failure`` or logs the loss as an error: the
+    message is retried, as with Celery's ``retry_on_worker_lost``."""
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exc = exc_info.exception
+        exc = exc.exc if isinstance(exc, ExceptionWithTraceback) else exc
+        context = getattr(self, "_context", None)  # Celery 5.3+: the request as a task sees it
+        lost = isinstance(exc, WorkerLostError) and context is not None
+        if lost and _send_again(self.task, context, self.id, exc):
+            task_ready(self)
+            if self.task.acks_late:
+                self.acknowledge()
+            self.send_event("task-retried", exception=repr(exc), traceback=None)
+            attempt = (self.task, self.id, self.args, self.kwargs, Outcome.DISCONNECTED, exc)
+            _release_later(*attempt)
+            return None
+        return super().on_failure(exc_info, send_failed_event, return_ok)
 
 
 def _send_again(task: Any, request: Any, task_id: str | None, exception: BaseException) -> bool:

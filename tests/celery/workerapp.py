@@ -19,7 +19,7 @@ if not __package__:
     # first on sys.path, as pytest's `pythonpath = ["."]` puts it, for `tests.support`.
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from celery.signals import task_prerun
+from celery.signals import task_failure, task_prerun
 
 from tests.support.workerapps import kill_if_asked, ledger, locked_task, worker_app, write_event
 
@@ -148,6 +148,12 @@ def sync_wait(self: Any, customer: str) -> dict[str, Any]:
 def _before_the_lock(sender: Any = None, **_: Any) -> None:
     if getattr(sender, "name", None) == "w.sync_wait":
         ledger("prerun", sender)  # key, fence and token None: no lease yet
+
+
+@task_failure.connect
+def _failed(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
+    if getattr(sender, "name", None) == "w.sync_wait":  # in the parent, for a dead child
+        write_event("failure", sender, key=None, fence=None, token=None, failed=task_id)
 
 
 @locked_task(app, "w.report", lock_key="report:{customer}", dedupe="until_finished", max_retries=1)
