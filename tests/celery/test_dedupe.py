@@ -329,36 +329,43 @@ def test_a_child_killed_mid_task_has_its_mark_released_by_the_parent(worker: Wor
     assert report.delay(who, 0).id != running.id  # nothing left blocking the key
 
 
+@pytest.mark.parametrize("request_class", ["locked", "celery"])
 def test_a_child_killed_before_its_body_started_has_its_message_sent_again(
-    worker: Worker,
+    worker: Worker, request_class: str
 ) -> None:
     """``until_started``: the calls coalesced into a message are promised a run that starts
     after them. A child killed while it waits for the busy key (its mark still held) ran no
     body: the parent sends the message again under its mark (state ``RETRY``, no
     ``FAILURE`` stored and no ``task_failure`` sent first), instead of ending the mark and
     dropping every coalesced call with the message (found by the dedupe soak:
-    ``bench/torture/dedupesoak.py``)."""
-    who = customer()
-    sync = worker.tasks.sync_wait
-    key = mark_of("w.sync_wait", f"sync:{who}")
+    ``bench/torture/dedupesoak.py``). A task with Celery's own worker request class gets
+    the same from the parent's ``task_failure`` handler, after Celery stored ``FAILURE``."""
+    who, locked = customer(), request_class == "locked"
+    sync = worker.tasks.sync_wait if locked else worker.tasks.sync_wait_celery_request
+    key = mark_of(sync.name, f"sync:{who}")
     busy = Lock(worker.store, f"job:sync:{who}")
     busy.acquire()
     try:
         first = sync.delay(who)
+
+        def result() -> Any:  # the caller's own; a fresh one where FAILURE may have been read
+            return first if locked else sync.AsyncResult(first.id)
+
         waiting = eventually(
             lambda: next((e for e in worker.events() if e["id"] == first.id), None),
             "its child past task_prerun",
         )
         os.kill(waiting["pid"], signal.SIGKILL)
-        eventually(lambda: first.state == "RETRY", "the message sent again")
+        eventually(lambda: result().state == "RETRY", "the message sent again")
         mark = worker.store.get(key)
         assert mark is not None and mark.holder.task_id == first.id
         assert sync.delay(who).id == first.id  # not started: still a duplicate
     finally:
         busy.release()
-    assert first.get(timeout=60)["pid"] != waiting["pid"]  # the message sent again ran
+    assert result().get(timeout=60)["pid"] != waiting["pid"]  # the message sent again ran
+    failure = [] if locked else ["failure"]  # Celery's request: task_failure, then the resend
     assert [e["event"] for e in worker.events() if e["id"] == first.id] == [
-        "prerun", "prerun", "start", "end",
+        "prerun", *failure, "prerun", "start", "end",
     ]  # fmt: skip
     [record] = marks(worker, key, 1)
     assert (record.outcome, record.lease.holder.task_id) == (Outcome.DEQUEUED, first.id)

@@ -144,15 +144,27 @@ def sync_wait(self: Any, customer: str) -> dict[str, Any]:
     return _body(self, 0)
 
 
+@locked_task(
+    app, "w.sync_wait_celery_request", lock_key="sync:{customer}", dedupe="until_started",
+    lock_wait=60, Request="celery.worker.request:Request",
+)  # fmt: skip
+def sync_wait_celery_request(self: Any, customer: str) -> dict[str, Any]:
+    """``sync_wait`` with Celery's own worker request class, not LockedTask's."""
+    return _body(self, 0)
+
+
+_KILLED_WAITING = ("w.sync_wait", "w.sync_wait_celery_request")
+
+
 @task_prerun.connect
 def _before_the_lock(sender: Any = None, **_: Any) -> None:
-    if getattr(sender, "name", None) == "w.sync_wait":
+    if getattr(sender, "name", None) in _KILLED_WAITING:
         ledger("prerun", sender)  # key, fence and token None: no lease yet
 
 
 @task_failure.connect
 def _failed(sender: Any = None, task_id: str | None = None, **_: Any) -> None:
-    if getattr(sender, "name", None) == "w.sync_wait":  # in the parent, for a dead child
+    if getattr(sender, "name", None) in _KILLED_WAITING:  # in the parent, for a dead child
         write_event("failure", sender, key=None, fence=None, token=None, failed=task_id)
 
 
