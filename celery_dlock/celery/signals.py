@@ -1,4 +1,5 @@
-"""Worker lifecycle handlers: per-child setup, a child that died, revoke, shutdown.
+"""Worker lifecycle handlers: per-child setup, a child that died, revoke, shutdown; and
+LockedTask's worker request class (:class:`LockedRequest`), for a child that died.
 
 Facts of Celery 5.7 these rest on (measured):
 
@@ -157,7 +158,7 @@ def _send_again(task: Any, request: Any, task_id: str | None, exception: BaseExc
     coalesced into it get the run they were promised, where ending the mark would have
     dropped them all with the one message. True if sent. Not for a message that comes back
     by itself (``acks_late`` with ``reject_on_worker_lost``), nor where the store or the
-    broker fails (the mark is ended then, as for a body that started)."""
+    broker fails (the caller then ends the mark, as for a message that did start)."""
     if getattr(task, "dedupe", None) != "until_started" or getattr(request, "id", None) != task_id:
         return False
     mark = mark_of(request)

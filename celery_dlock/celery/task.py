@@ -96,7 +96,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
     #: Seconds a dedupe mark lives past its message's countdown; None: ``dlock_dedupe_ttl``.
     dedupe_ttl: ClassVar[float | None] = None
     throws: ClassVar[tuple[type[BaseException], ...]] = (LockNotAcquiredError,)
-    Request: ClassVar[str] = "celery_dlock.celery.signals:LockedRequest"  # a dead child's
+    Request: ClassVar[str] = "celery_dlock.celery.signals:LockedRequest"  # resends, see there
 
     _dlock_templates: ClassVar[tuple[KeyTemplate, ...]] = ()
 
