@@ -10,6 +10,7 @@ finds it by its owner."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import signal
@@ -155,7 +156,13 @@ def _acquire_line() -> int:
 def _waits_for_the_stripe(thread: threading.Thread) -> bool:
     """Whether ``thread`` is asleep in the stripe mutex's ``acquire`` (its frame on that
     line, and the kernel's state of the thread ``S``)."""
-    frame = sys._current_frames().get(thread.ident or 0)
+    collecting = gc.isenabled()
+    gc.disable()  # CPython 3.11: a collection inside sys._current_frames() can deadlock it
+    try:  # (it allocates while it holds the runtime's lock: python/cpython#106883, seen here)
+        frame = sys._current_frames().get(thread.ident or 0)
+    finally:
+        if collecting:
+            gc.enable()
     if (
         frame is None
         or frame.f_code is not Locked.__enter__.__code__
