@@ -45,7 +45,7 @@ from celery_dlock.celery.settings import enable_metrics, settings
 from celery_dlock.errors import BackendError, DLockError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
-from celery_dlock.process import release_all
+from celery_dlock.process import release_all, shared_backend
 from celery_dlock.records import Outcome, Record
 from celery_dlock.releasing import unsettled
 
@@ -165,7 +165,7 @@ def _send_again(task: Any, request: Any, task_id: str | None, exception: BaseExc
     if mark is None or (task.acks_late and task.reject_on_worker_lost):
         return False
     try:
-        current = Lock(settings(task.app).backend, mark.key).current()
+        current = shared_backend(settings(task.app).backend).get(mark.key)
         if current is None or current.token != mark.token:
             return False  # it started (the mark ended), or a revoke ended it
         headers = {**(getattr(request, "headers", None) or {}), DEDUPE_HEADER: mark.to_dict()}

@@ -17,9 +17,9 @@ for it.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ from celery_dlock import LockedTask, Outcome, backend_from_url, install
 from celery_dlock.celery.dedupe import mark_key
 from tests.celery.support import embedded_app, embedded_worker
 from tests.support import eventually
-from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin, with_options
+from tests.support.services import POSTGRES_URL, migrated_schema, with_options
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -37,21 +37,13 @@ runs: list[str] = []
 
 @pytest.fixture
 def schema() -> Iterator[str]:
-    admin = postgres_admin()
-    name = f"dlock_dstore_{os.urandom(4).hex()}"
-    store = backend_from_url(with_options(POSTGRES_URL, schema=name))
-    store.migrate()  # type: ignore[attr-defined]
-    store.close()
-    admin.execute(
-        f'CREATE FUNCTION "{name}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
-        "IF NEW.key LIKE '%#queued:%' AND NEW.outcome = TG_ARGV[0] THEN "
-        "RAISE EXCEPTION 'the test refuses this mark''s record'; END IF; RETURN NEW; END $$"
-    )
-    try:
+    with migrated_schema("dlock_dstore") as (name, admin):
+        admin.execute(
+            f'CREATE FUNCTION "{name}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN '
+            "IF NEW.key LIKE '%#queued:%' AND NEW.outcome = TG_ARGV[0] THEN "
+            "RAISE EXCEPTION 'the test refuses this mark''s record'; END IF; RETURN NEW; END $$"
+        )
         yield name
-    finally:
-        drop_schema(admin, name)
-        admin.close()
 
 
 def refuse(schema: str, outcome: Outcome) -> None:
@@ -70,11 +62,8 @@ def answer(schema: str) -> None:
 
 @pytest.fixture
 def store(schema: str) -> Iterator[Any]:
-    backend = backend_from_url(with_options(POSTGRES_URL, schema=schema))
-    try:
+    with closing(backend_from_url(with_options(POSTGRES_URL, schema=schema))) as backend:
         yield backend
-    finally:
-        backend.close()
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ back).
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 import pytest
@@ -32,7 +32,7 @@ from celery_dlock import (
 )
 from tests.celery.support import embedded_app, embedded_worker
 from tests.support import eventually
-from tests.support.services import POSTGRES_URL, drop_schema, postgres_admin, with_options
+from tests.support.services import POSTGRES_URL, migrated_schema, with_options
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -43,26 +43,15 @@ HOOKS: dict[str, Any] = {}
 
 @pytest.fixture
 def schema() -> Iterator[str]:
-    admin = postgres_admin()
-    name = f"dlock_replay_{os.urandom(4).hex()}"
-    store = backend_from_url(with_options(POSTGRES_URL, schema=name))
-    store.migrate()  # type: ignore[attr-defined]
-    store.close()
-    admin.execute(f'CREATE TABLE "{name}".charges (key text, token text)')
-    try:
+    with migrated_schema("dlock_replay") as (name, admin):
+        admin.execute(f'CREATE TABLE "{name}".charges (key text, token text)')
         yield name
-    finally:
-        drop_schema(admin, name)
-        admin.close()
 
 
 @pytest.fixture
 def store(schema: str) -> Iterator[Any]:
-    backend = backend_from_url(with_options(POSTGRES_URL, schema=schema))
-    try:
+    with closing(backend_from_url(with_options(POSTGRES_URL, schema=schema))) as backend:
         yield backend
-    finally:
-        backend.close()
 
 
 @pytest.fixture

@@ -47,6 +47,26 @@ def row_locked(schema: str, key: str) -> Iterator[None]:
         admin.close()
 
 
+@contextmanager
+def migrated_schema(prefix: str) -> Iterator[tuple[str, Any]]:
+    """A Postgres store's schema of its own, ``<prefix>_<random>``, migrated: its name and
+    an autocommit admin connection (for a test's own objects in it); dropped at the end."""
+    from celery_dlock.backends import backend_from_url
+
+    admin = postgres_admin()
+    name = f"{prefix}_{os.urandom(4).hex()}"
+    store = backend_from_url(with_options(POSTGRES_URL, schema=name))
+    try:
+        store.migrate()  # type: ignore[attr-defined]
+    finally:
+        store.close()
+    try:
+        yield name, admin
+    finally:
+        drop_schema(admin, name)
+        admin.close()
+
+
 def drop_schema(admin: Any, schema: str) -> None:
     """Drop ``schema`` through ``admin``, or through a new connection when ``admin`` was
     cut: a module's fixture may outlive the exclusive test that restarts the server (seen
