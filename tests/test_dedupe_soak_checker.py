@@ -66,3 +66,56 @@ def test_the_checker_reports_every_coalesced_call_without_a_run_after_it(tmp_pat
     assert logs.overlaps() == 1  # "b" began before "a" ended; "q" began as "p" ended
     assert logs.started_after(1, 11.0) and not logs.started_after(2, 0.0)
     assert len(logs.errs) == 1
+
+
+def mark_record(task: str, acquired: float, released: float, outcome: Outcome) -> Record:
+    holder = Holder.current(task_id=task, task_name="dsoak.sync")
+    mark = Lease(f"dsoak:sync:1#queued:dsoak.sync:{task}", "t", 1, holder, acquired, None)
+    return Record(mark, released, outcome, None, None)
+
+
+def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
+    tmp_path: Path,
+) -> None:
+    write(
+        tmp_path / "producer-1.jsonl",
+        *call(1, "a", 1.0, "a"),  # sent; runs 10 to 12, its mark released at 12.01
+        *call(1, "queued", 5.0, "a"),  # kept: queued
+        *call(1, "running", 11.0, "a"),  # kept: running
+        *call(1, "as-it-ended", 12.005, "a"),  # reported: its mark being released
+        *call(2, "s", 1.0, "s"),  # sent; runs 2 to 3, its mark released at 30 (late)
+        *call(2, "late", 20.0, "s"),  # a violation: 17 s after its run ended
+        *call(3, "r", 1.0, "r"),  # sent; its mark released at 4, the message runs at 6
+        *call(3, "stale", 5.0, "r"),  # a violation: the mark had ended at 4
+        *call(4, "k", 1.0, "k"),  # sent; its child killed before it started
+        *call(4, "into-k", 2.0, "k"),  # reported
+    )
+    write(
+        tmp_path / "body-7.jsonl",
+        *body(1, "a", 10.0, 12.0),
+        *body(2, "s", 2.0, 3.0),
+        *body(3, "r", 6.0, 6.5),
+    )
+    logs = Logs(tmp_path, "until_finished")
+    logs.add_dequeued(
+        [
+            mark_record("a", 1.0, 12.01, Outcome.SUCCEEDED),
+            mark_record("s", 1.0, 30.0, Outcome.SUCCEEDED),
+            mark_record("r", 1.0, 4.0, Outcome.REVOKED),
+            mark_record("k", 1.0, 3.0, Outcome.DISCONNECTED),
+        ]
+    )
+
+    verdicts, examples = logs.verdicts()
+    assert verdicts == {
+        "sent": 4,
+        "coalesced, queued or running": 2,
+        "coalesced as its run ended (its mark being released)": 1,
+        "VIOLATION coalesced after its run had ended": 1,
+        "VIOLATION its mark had ended before the webhook": 1,
+        "never ran, its child killed first (its result FAILURE)": 1,
+    }
+    assert examples["VIOLATION coalesced after its run had ended"] == [
+        "late at 20.0000 given s started at 2.0000 (-18.0000 s)"
+    ]
+    assert logs.ended_before_run() == {"revoked": 1}  # "r": its mark ended before it ran

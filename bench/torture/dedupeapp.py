@@ -1,5 +1,6 @@
 """The Celery app of the dedupe soak (``dedupesoak.py``): one ``sync`` task with
-``dedupe="until_started"``, and the producer loop that submits it, configured by environment.
+``dedupe="until_started"`` (or ``DLOCK_DSOAK_MODE``), and the producer loop that submits it,
+configured by environment.
 
     DLOCK_DSOAK_BROKER     redis://127.0.0.1:PORT/7 (a private redis-server)
     DLOCK_DSOAK_LOCKS      the lock store (a private redis-server, its own ``appendfsync
@@ -7,6 +8,7 @@
     DLOCK_DSOAK_NAMESPACE  the lock keys' namespace (fresh per run)
     DLOCK_DSOAK_LOGS       the directory of the logs, one file per process
     DLOCK_DSOAK_TTL        the marks' ``dedupe_ttl``, seconds
+    DLOCK_DSOAK_MODE       the task's ``dedupe``: ``until_started`` or ``until_finished``
 
 Each body logs ``{"e": "start", "c", "task", "fence", "t"}`` as it starts (its lease held)
 and ``{"e": "end", "task", "t"}`` as it ends, to ``body-<pid>.jsonl``; each producer logs
@@ -57,7 +59,7 @@ def log(kind: str, **entry: Any) -> None:
     bind=True,
     name="dsoak.sync",
     lock_key="sync:{customer}",
-    dedupe="until_started",
+    dedupe=ENV("DLOCK_DSOAK_MODE", "until_started"),
     dedupe_ttl=float(ENV("DLOCK_DSOAK_TTL", "10")),
     lock_retry_backoff=0.1,
     lock_retry_backoff_max=1.0,

@@ -30,6 +30,22 @@ as a worker took it), and reports each one that is not, by cause:
   the end of its send; the mark runs out at ``dedupe_ttl``.
 Also: every customer's last webhook (no faults then) is followed by a run; no two bodies of
 a customer overlap (the body lock); the number of bodies against the webhooks.
+
+``--mode until_finished``: the task's ``dedupe="until_finished"``, whose promise is
+celery-once's: while a message is queued or running, a call sends nothing. A call coalesced
+into a run that had begun is then kept; what the checker holds a coalesced call to instead:
+- **its mark had ended before the webhook** (a violation): the producer read a mark the
+  store had released already (``RELEASE_SLACK`` before the call: a record's time is its
+  release statement's start).
+- **coalesced after its run had ended** (a violation): more than ``RELEASE_WINDOW`` after the
+  message's last body ended: its mark outlived its run (a release that did not reach the
+  store, settled late). Within the window: reported (the mark is released just after the
+  body returns).
+- **never ran**: as above; and a message whose mark ended ``disconnected`` before it ever
+  started (its pool child killed first: Celery does not run it again, and the callers'
+  result reads ``FAILURE``): reported.
+- **a mark that ended before its message first ran**, other than by expiry (a violation): a
+  second message could be sent while the first was still to run.
 """
 
 from __future__ import annotations
@@ -59,6 +75,17 @@ BROKER_DB = 7
 #: A start found this many seconds before the webhook still counts as after it: the two
 #: clocks read are the host's, by two processes (none needed so far: kept at 0).
 SLACK = 0.0
+#: ``until_finished``: seconds after its body's end that a call may still be coalesced into
+#: a message, its mark being released (a store round trip or two) after the body returns.
+RELEASE_WINDOW = 1.0
+#: A mark's record says when its release statement began (Postgres: ``now()``), not when it
+#: was committed, after which a producer's look no longer finds it: a call this much after
+#: that time may still have found the mark.
+RELEASE_SLACK = 0.05
+#: ``until_finished``: how a mark may end before its message runs: its ttl ran out (the
+#: message waited longer), or its pool child was killed (the message runs again only if the
+#: broker gives it again).
+EARLY_ENDS = ("expired", "disconnected")
 
 
 class DedupeSoak:
@@ -84,6 +111,7 @@ class DedupeSoak:
             "DLOCK_DSOAK_NAMESPACE": self.namespace,
             "DLOCK_DSOAK_LOGS": str(self.logs),
             "DLOCK_DSOAK_TTL": str(self.o.ttl),
+            "DLOCK_DSOAK_MODE": self.o.mode,
         }
 
     def start_worker(self) -> None:
@@ -220,20 +248,28 @@ class DedupeSoak:
         """Read the logs and the store's history; print the table; 1 on a violation."""
         from celery_dlock.backends import backend_from_url
 
-        logs = Logs(self.logs)
+        logs = Logs(self.logs, self.o.mode)
         logs.broker_restarts = [e["t"] for e in self.events if e["e"] == "broker"]
         store = backend_from_url(self.store.url())
         try:
-            marks = logs.add_dequeued(store.history(limit=None))
+            records = store.history(limit=None)
+            marks = logs.add_dequeued(records)
         finally:
             store.close()
+        if self.o.keep:  # the store's history beside the logs
+            lines = [json.dumps({**r.lease.to_dict(), "released_at": r.released_at,
+                                 "outcome": r.outcome.value, "details": r.details})
+                     for r in records]  # fmt: skip
+            (self.directory / "history.jsonl").write_text("\n".join(lines))
         verdicts, examples = logs.verdicts()
         unsynced = [c for c in range(self.o.customers) if not logs.started_after(c, last)]
         overlaps = logs.overlaps()
         violations = sum(n for v, n in verdicts.items() if v.startswith("VIOLATION"))
         violations += len(unsynced) + overlaps
+        early = logs.ended_before_run() if self.o.mode == "until_finished" else Counter()
+        violations += sum(n for how, n in early.items() if how not in EARLY_ENDS)
         o = self.o
-        print(f"dedupe soak on {o.store}: {o.seconds:.0f} s, {o.producers} producers, "
+        print(f"dedupe soak ({o.mode}) on {o.store}: {o.seconds:.0f} s, {o.producers} producers, "
               f"{o.customers} customers, ttl {o.ttl:.0f} s, seed {o.seed}")  # fmt: skip
         print(logs.summary())
         faults = Counter(e["e"] for e in self.events)
@@ -245,6 +281,9 @@ class DedupeSoak:
                 print(f"      {example}")
         print(f"last webhooks not followed by a run: {unsynced}")
         print(f"overlapping bodies: {overlaps}")
+        if o.mode == "until_finished":
+            print(f"marks ended before their message first ran: {dict(early)} "
+                  f"(violations unless {', '.join(EARLY_ENDS)})")  # fmt: skip
         print(f"violations: {violations}")
         return 1 if violations else 0
 
@@ -252,7 +291,8 @@ class DedupeSoak:
 class Logs:
     """The producers' and the bodies' logs of a run."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, mode: str = "until_started") -> None:
+        self.mode = mode
         lines: list[dict[str, Any]] = []
         #: Each body that ended: (customer, start, end), paired in its process's log (a
         #: message redelivered runs again under the same task id).
@@ -271,14 +311,20 @@ class Logs:
         self.errs = {x["id"]: x for x in lines if x["e"] == "err"}
         self.starts = [x for x in lines if x["e"] == "start"]
         self.ended = sum(1 for x in lines if x["e"] == "end")
-        #: How each message's mark ended, by task id (``add_dequeued``).
+        #: How each message's mark ended, and when, by task id (``add_dequeued``).
         self.mark_ends: dict[str, str] = {}
+        self.mark_released: dict[str, float] = {}
         #: Broker restarts (``time.time()``): a message sent just before one may be lost.
         self.broker_restarts: list[float] = []
         #: Each message's first start: its body's log line, or its mark ended ``dequeued``.
         self.started: dict[str, float] = {}
         for s in self.starts:
             self.started[s["task"]] = min(self.started.get(s["task"], s["t"]), s["t"])
+        #: Each message's last body end (a redelivered message runs again).
+        self.last_end: dict[str, float] = {}
+        for x in lines:
+            if x["e"] == "end":
+                self.last_end[x["task"]] = max(self.last_end.get(x["task"], x["t"]), x["t"])
 
     def add_dequeued(self, records: list[Any]) -> Counter[str]:
         """Take the marks' ends from the store's ``records`` (a mark ended ``dequeued`` as a
@@ -290,15 +336,22 @@ class Logs:
         for r in marks:
             task_id = r.lease.holder.task_id
             self.mark_ends[task_id or ""] = r.outcome.value
+            self.mark_released[task_id or ""] = r.released_at
             if r.outcome is Outcome.DEQUEUED and task_id:
                 self.started[task_id] = min(self.started.get(task_id, r.released_at), r.released_at)
         return Counter(r.outcome.value for r in marks)
 
     def verdict(self, t0: float, got: str) -> str:
+        if self.mode == "until_finished":
+            return self.verdict_finished(t0, got)
         if got in self.started:
             if self.started[got] >= t0 - SLACK:
                 return "coalesced, run started after"
             return "VIOLATION started before the webhook"
+        return self.never_ran(t0, got)
+
+    def never_ran(self, t0: float, got: str) -> str:
+        """A call coalesced into a message that no worker started: why."""
         if got in self.rets:
             sent = self.calls[got]["t"] if got in self.calls else t0
             lost = any(sent <= t <= sent + 5.0 for t in self.broker_restarts)
@@ -308,6 +361,22 @@ class Logs:
         if got in self.errs:
             return "never ran, its send failed"
         return "never ran, its producer was killed (excused)"
+
+    def verdict_finished(self, t0: float, got: str) -> str:
+        """``until_finished``: coalesced while the message was queued or running."""
+        released = self.mark_released.get(got)
+        if released is not None and released < t0 - RELEASE_SLACK:
+            return "VIOLATION its mark had ended before the webhook"
+        if got in self.started:
+            end = self.last_end.get(got)
+            if end is None or end >= t0 - SLACK:
+                return "coalesced, queued or running"
+            if t0 - end <= RELEASE_WINDOW:
+                return "coalesced as its run ended (its mark being released)"
+            return "VIOLATION coalesced after its run had ended"
+        if got in self.rets and self.mark_ends.get(got) == "disconnected":
+            return "never ran, its child killed first (its result FAILURE)"
+        return self.never_ran(t0, got)
 
     def verdicts(self) -> tuple[Counter[str], dict[str, list[str]]]:
         """Each answered webhook: sent, or coalesced and what became of the message."""
@@ -326,6 +395,16 @@ class Logs:
                 when = "" if late is None else f" started at {late:.4f} ({late - t0:+.4f} s)"
                 examples[verdict].append(f"{mine} at {t0:.4f} given {got}{when}")
         return verdicts, examples
+
+    def ended_before_run(self) -> Counter[str]:
+        """``until_finished``: messages whose mark ended before their first run, by how (a
+        second message could then be sent while the first was still to run)."""
+        found: Counter[str] = Counter()
+        for task, start in self.started.items():
+            released = self.mark_released.get(task)
+            if released is not None and released < start - SLACK:
+                found[self.mark_ends[task]] += 1
+        return found
 
     def started_after(self, customer: int, t: float) -> bool:
         return any(s["c"] == customer and s["t"] >= t for s in self.starts)
@@ -358,6 +437,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ttl", type=float, default=10.0)
     parser.add_argument("--child-kills", type=int, default=10)
     parser.add_argument("--producer-kills", type=int, default=3)
+    parser.add_argument("--mode", choices=("until_started", "until_finished"),
+                        default="until_started", help="the task's dedupe")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", default=None, help="copy the logs to this directory")
     return DedupeSoak(parser.parse_args(argv)).run()
