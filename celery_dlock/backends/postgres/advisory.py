@@ -59,8 +59,10 @@ class LeaseKeys:
         ``reap``. An uncorrelated subquery, so ``pg_locks`` is read once per statement
         whatever the number of rows (a hashed subplan), not once per lease.
 
-        Read after the statement's snapshot: a lease released or handed over in between
-        shows once as ended (it was let go), never a live one's as ended."""
+        Read after the statement's snapshot: a lease released in between shows once as
+        ended (it was let go), and so does one handed over in between, which lives on: a
+        read (``get``, ``leases``) may say so once; ``take_over`` and ``reap`` look at the
+        row again as they change it, and leave a lease handed over alone."""
         return (
             f"({alias}.backend_pid <> {HANDED_OVER} AND ({alias}.fence & 4294967295)::oid "
             f"NOT IN ({self.held(select='p.objid ')}))"

@@ -171,6 +171,10 @@ class Statements:
 
     def _take_over(self, grant: str, returning: str, pid: str) -> None:
         n, keys = self.names, self.keys
+        # ``cur`` reads the row as of the statement's start and ``pg_locks`` as it is when
+        # read: a hand-over committed in between (it lets go of the advisory lock) shows as
+        # ``disconnected``. The UPDATE sees the row as it is now (READ COMMITTED re-checks
+        # its WHERE on the new version), so it checks again that no hand-over came first.
         self.take_over = (
             "-- take_over: key, token, holder, ttl, replace, retried details, fences this "
             "session holds | (the old lease's outcome: retried, expired or disconnected, "
@@ -189,7 +193,8 @@ class Statements:
             f"expires_at = {_TTL}, backend_pid = {pid}\n"
             "  FROM cur WHERE cur.ended IS NOT NULL AND l.key = cur.key "
             "AND l.token = cur.token AND (cur.ended <> 'expired' "
-            "OR l.expires_at <= clock_timestamp())\n"
+            "OR l.expires_at <= clock_timestamp()) "
+            f"AND (cur.ended <> 'disconnected' OR l.backend_pid <> {HANDED_OVER})\n"
             "  RETURNING l.fence, l.acquired_at, l.expires_at),\n"
             "fresh AS (\n"
             f"  INSERT INTO {n.locks} (key, token, fence, holder, acquired_at, expires_at, "
