@@ -89,12 +89,15 @@ def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
         *call(3, "stale", 5.0, "r"),  # a violation: the mark had ended at 4
         *call(4, "k", 1.0, "k"),  # sent; its child killed before it started
         *call(4, "into-k", 2.0, "k"),  # reported
+        *call(5, "d", 1.0, "d"),  # sent; runs 2 to 3, its child killed before the mark's end
+        *call(5, "into-d", 9.0, "d"),  # reported: the mark ended disconnected at 12
     )
     write(
         tmp_path / "body-7.jsonl",
         *body(1, "a", 10.0, 12.0),
         *body(2, "s", 2.0, 3.0),
         *body(3, "r", 6.0, 6.5),
+        *body(5, "d", 2.0, 3.0),
     )
     logs = Logs(tmp_path, "until_finished")
     logs.add_dequeued(
@@ -103,13 +106,15 @@ def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
             mark_record("s", 1.0, 30.0, Outcome.SUCCEEDED),
             mark_record("r", 1.0, 4.0, Outcome.REVOKED),
             mark_record("k", 1.0, 3.0, Outcome.DISCONNECTED),
+            mark_record("d", 1.0, 12.0, Outcome.DISCONNECTED),
         ]
     )
 
     verdicts, examples = logs.verdicts()
     assert verdicts == {
-        "sent": 4,
+        "sent": 5,
         "coalesced, queued or running": 2,
+        "coalesced after its run ended, its child killed before the mark's end": 1,
         "coalesced as its run ended (its mark being released)": 1,
         "VIOLATION coalesced after its run had ended": 1,
         "VIOLATION its mark had ended before the webhook": 1,

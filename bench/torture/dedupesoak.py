@@ -40,7 +40,9 @@ into a run that had begun is then kept; what the checker holds a coalesced call 
 - **coalesced after its run had ended** (a violation): more than ``RELEASE_WINDOW`` after the
   message's last body ended: its mark outlived its run (a release that did not reach the
   store, settled late). Within the window: reported (the mark is released just after the
-  body returns).
+  body returns). Reported too: a run whose child was killed after its body ended and before
+  its mark's release, which the worker's parent ends ``disconnected`` once Celery reports
+  the child lost: after ``worker_lost_wait`` (10 s), while calls are coalesced into it.
 - **never ran**: as above; and a message whose mark ended ``disconnected`` before it ever
   started (its pool child killed first: Celery does not run it again, and the callers'
   result reads ``FAILURE``): reported.
@@ -373,6 +375,8 @@ class Logs:
                 return "coalesced, queued or running"
             if t0 - end <= RELEASE_WINDOW:
                 return "coalesced as its run ended (its mark being released)"
+            if self.mark_ends.get(got) == "disconnected":
+                return "coalesced after its run ended, its child killed before the mark's end"
             return "VIOLATION coalesced after its run had ended"
         if got in self.rets and self.mark_ends.get(got) == "disconnected":
             return "never ran, its child killed first (its result FAILURE)"
