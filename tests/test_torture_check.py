@@ -189,9 +189,10 @@ def test_a_lost_record_a_crash_took_just_after_a_cut_off_release_is_excused(
     section, backend = _cut_off_release(tmp_path, released)
     assert section.release == "lost" and section.released == released
     restart = {"e": "restart", "kind": kind, "t": 610.0, "t_end": 610.2}
+    partition = {"e": "partition", "token": section.token, "t": 580.0}
     report = Report("postgres")
     try:
-        check_history({KEY: [section]}, backend, [restart], report)
+        check_history({KEY: [section]}, backend, [partition, restart], report)
     finally:
         backend.close()
     assert (report.excused_records, report.violations) == (int(excused), int(not excused))
@@ -332,3 +333,28 @@ def test_settle_records_a_lease_whose_time_ran_out_after_its_reap(
         assert settle(_ListedLate(case.backend, lease.expires_at), "torture:", 10.0) == 0
         [record] = case.backend.history(key=lease.key, limit=None)
         assert (record.lease.token, str(record.outcome)) == (lease.token, "expired")
+
+
+@pytest.mark.parametrize("fault", ["none", "killed", "cut off", "restart"])
+def test_a_lease_recorded_disconnected_while_its_holder_lived_is_reported(
+    tmp_path: Path, fault: str
+) -> None:
+    """A holder that released its lease ok, or found it gone (``lost``), while the store
+    had recorded it ``disconnected``: its session ended under it, which only a kill, a
+    partition or a store restart in its section explains (the Postgres take-over of a lease
+    being handed over, 2026-11-29, did so without any)."""
+    section, backend = _cut_off_release(tmp_path, 599.0)
+    events: list[dict[str, Any]] = []
+    if fault == "killed":
+        section.killed = True
+    elif fault == "cut off":
+        events.append({"e": "partition", "token": section.token, "t": 580.0})
+    elif fault == "restart":
+        events.append({"e": "restart", "kind": "fast", "t": 590.0, "t_end": 591.0})
+    report = Report("postgres")
+    try:
+        check_history({KEY: [section]}, backend, events, report)
+    finally:
+        backend.close()
+    alive = f"{KEY}: fence 779 recorded disconnected while its holder lived, its store up"
+    assert any(problem.startswith(alive) for problem in report.problems) == (fault == "none")

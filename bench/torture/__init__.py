@@ -6,7 +6,7 @@
         [--partitions N] [--diskfulls N] [--cut-off 2] [--cut-off-options QUERY]
         [--ttl 3] [--wait 2] [--hold 0.003] [--ledger file|postgres] [--broken]
         [--at-least N] [--limit N] [--together N]
-        [--asyncio] [--json PATH] [--keep DIR]
+        [--asyncio] [--hand-over] [--json PATH] [--keep DIR]
     python -m bench.torture.soak [--short] [--tasks 50000] [--kills 20] ...
 
 For each store: a private server on a free port (``servers.py``: never the shared PostgreSQL
@@ -27,6 +27,10 @@ treat each slot as a key (one holder at a time, fences rising, every lease recor
 fence and releases them; each lease is a section of its own to the checker. ``--asyncio``:
 the workers take their key through ``AsyncLock`` on an event loop (the store's asyncio
 client where it has one: Postgres, Redis; renewal as a task of the loop).
+``--hand-over``: each lease is handed over as soon as it is granted
+(``LockBackend.hand_over``, as a dedupe mark once its message is sent: alive by its ttl
+alone), then the section, then the release by its token. The checker also holds that no
+lease is recorded ``disconnected`` while its holder lived and reached its store.
 
 Sections last at most ``--hold`` (3 ms), far below the ttl: renewal (every ttl / 3) never
 runs. ``--ttl 1 --hold 2.5 --wait 5`` makes sections that outlive their ttl, kept by

@@ -36,15 +36,25 @@ STORES = ("file", "postgres", "pgbouncer", "redis", "redis-cluster", "s3", "gcs"
 TIMING = {"s3": (1.0, 1.0), "gcs": (1.0, 1.0)}
 
 
-def _check_shape(parser: argparse.ArgumentParser, options: argparse.Namespace, keys: int) -> None:
+def _check_shape(
+    parser: argparse.ArgumentParser, options: argparse.Namespace, keys: int, partitions: int
+) -> None:
     """``--limit`` and ``--together``: counts, one at a time, not with ``--broken``, and no
-    more keys together than there are."""
+    more keys together than there are; ``--hand-over``: a key at a time, each with a ttl."""
     if options.limit < 1 or (options.broken and options.limit > 1):
         parser.error("--limit: a count >= 1, and 1 with --broken (its lock takes the key itself)")
     if options.together < 1 or (options.together > 1 and (options.broken or options.limit > 1)):
         parser.error("--together: a count >= 1, and 1 with --broken or --limit")
     if options.asyncio and (options.broken or options.together > 1):
         parser.error("--asyncio: a key at a time (AsyncLock), not with --broken or --together")
+    if options.hand_over and (
+        options.broken or options.limit > 1 or options.together > 1 or options.asyncio
+        or partitions
+    ):  # fmt: skip
+        parser.error(
+            "--hand-over: a key at a time through Lock, not with --broken, --limit, "
+            "--together, --asyncio or partitions (a cut-off holder has no ttl)"
+        )
     if options.together > keys:
         parser.error(f"--together {options.together} needs as many keys, not {keys}")
 
@@ -114,9 +124,11 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument(
         "--together", type=int, default=1, help="keys taken at once, all or none (1)"
     )
-    parser.add_argument(
-        "--asyncio", action="store_true", help="the workers use AsyncLock on an event loop"
-    )
+    for flag, text in {
+        "--asyncio": "the workers use AsyncLock on an event loop",
+        "--hand-over": "each lease handed over once granted (alive by its ttl), released by token",
+    }.items():
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the reports here as JSON")
     parser.add_argument("--keep", type=Path, help="copy each run's logs into this directory")
@@ -141,7 +153,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     fulls = fulls if os.geteuid() == 0 else 0
     shape = {"keys": 8, "hold": 0.003, **(LONG_SHAPE if options.long else {})}
     keys = options.keys if options.keys is not None else int(shape["keys"])
-    _check_shape(parser, options, keys)
+    _check_shape(parser, options, keys, counts["partitions"] or 0)
     hold = options.hold if options.hold is not None else float(shape["hold"])
     # The mode's seconds per store, where --seconds does not say.
     per_store = LONG_SECONDS if options.long else SHORT_SECONDS if options.short else {}
@@ -155,7 +167,7 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
             hold=hold, ledger=options.ledger, broken=options.broken,
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
             at_least=options.at_least, limit=options.limit, together=options.together,
-            asyncio=options.asyncio,
+            asyncio=options.asyncio, hand_over=options.hand_over,
             cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
             **{**common, **own.get(store, {})},  # type: ignore[arg-type]
         )

@@ -29,6 +29,8 @@ just before its release (``end``), or to the moment its worker was SIGKILLed. Wh
    last moments, see ``_excuse``); or such a restart (not a failover) came during the
    section of a holder that died before its release said how it ended (the lease died with
    the store's data, and only its release would have recorded it ``lost``).
+5. No lease is recorded ``disconnected`` while its holder lived and reached its store: not
+   killed, not cut off by a partition, no store restart from its grant to its release.
 """
 
 from __future__ import annotations
@@ -428,6 +430,12 @@ def check_history(
             if section.token in cut:
                 releases.update([section.release or "none"])
                 cut_outcomes.update(found or ["missing"])
+            if found and "disconnected" in found and _alive(section, restarts, cut):
+                report.fail(
+                    f"{key}: fence {section.fence} recorded disconnected while its holder "
+                    f"lived, its store up ({section.log})"
+                )
+                continue
             if found:
                 if (wrong := wrong_record(section, found)) is None:
                     continue
@@ -447,6 +455,15 @@ def check_history(
     report.killed_outcomes = dict(sorted(outcomes.items()))
     report.cut_releases = dict(sorted(releases.items()))
     report.cut_outcomes = dict(sorted(cut_outcomes.items()))
+
+
+def _alive(section: Section, restarts: list[dict[str, Any]], cut: set[str]) -> bool:
+    """Whether the holder of ``section`` lived, and reached its store, until its release:
+    not killed, not cut off, and no store restart (which ends lock sessions) from its grant
+    to its release. Its lease is then never ``disconnected``."""
+    until = section.end if section.released is None else section.released
+    restarted = any(r["t"] <= until and r.get("t_end", r["t"]) >= section.start for r in restarts)
+    return not (section.killed or section.token in cut or restarted)
 
 
 def _excused(report: Report, excuse: dict[str, Any], section: Section) -> None:

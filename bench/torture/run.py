@@ -68,6 +68,9 @@ class Settings:
     together: int = 1
     #: The workers take their keys through ``AsyncLock`` on an event loop.
     asyncio: bool = False
+    #: Each lease handed over once granted (``LockBackend.hand_over``: alive by its ttl
+    #: alone, as a dedupe mark once its message is sent), released by its token.
+    hand_over: bool = False
 
 
 def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
@@ -236,7 +239,7 @@ def torture(settings: Settings) -> Report:
         job = Job(
             url, spec, keys, settings.ttl, settings.wait, settings.hold, log="",
             stop=str(directory / "stop"), broken=settings.broken, limit=settings.limit,
-            together=settings.together, asyncio=settings.asyncio,
+            together=settings.together, asyncio=settings.asyncio, hand_over=settings.hand_over,
         )  # fmt: skip
         cutoff = _cutoff(settings, store, job, network)
         began = time.monotonic()

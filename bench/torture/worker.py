@@ -3,7 +3,8 @@
 Until the stop file exists: pick a key (hot spots: key ``i`` is chosen with weight
 ``1 / (i + 1)``), take it through the public :class:`celery_dlock.Lock` (``ttl`` and ``wait``
 set; ``limit``: one of its slots; ``together``: that many keys through :class:`Locks`;
-``asyncio``: :class:`AsyncLock` on an event loop), read the ledger's counter, hold for a
+``asyncio``: :class:`AsyncLock` on an event loop; ``hand_over``: the lease handed over once
+granted, released by its token), read the ledger's counter, hold for a
 moment, write counter + 1 with the lease's fence, release. Every step that the checker needs
 goes to this process's own log, one JSON line per ``write`` on an ``O_APPEND`` descriptor, so
 a SIGKILL leaves whole lines (each lease of a set its own):
@@ -43,7 +44,9 @@ from celery_dlock import (
     Outcome,
     Record,
     backend_from_url,
+    releasing,
 )
+from celery_dlock.releasing import Ending
 
 from .ledger import Ledger, LedgerError, open_ledger
 
@@ -67,6 +70,7 @@ class Job:
     limit: int = 1  # holders per key at once, each in a slot ``key#i`` (the ledger's key)
     together: int = 1  # keys taken at once, all or none (``Locks``), each a section of its own
     asyncio: bool = False  # through AsyncLock on an event loop
+    hand_over: bool = False  # each lease handed over once granted, released by its token
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -130,6 +134,9 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log
         not_taken(exc, log)
         return
     leases = taken if isinstance(taken, list) else [taken]
+    if job.hand_over and isinstance(lock, Lock):
+        handed_section(job, backend, ledger, lock, log)
+        return
     write(job, ledger, leases, log)
     # Locks.release, key by key, so that each lease's own release is logged.
     for one, lease in zip(lock.locks if isinstance(lock, Locks) else [lock], leases, strict=True):
@@ -138,6 +145,25 @@ def section(job: Job, backend: LockBackend, ledger: Ledger, keys: list[str], log
         except BackendError:
             release = "error"
         log(e="rel", token=lease.token, release=release, t=time.monotonic())
+
+
+def handed_section(job: Job, backend: LockBackend, ledger: Ledger, lock: Lock, log: Log) -> None:
+    """``--hand-over``: the lease just granted is handed over (alive by its ttl alone from
+    then on, whatever becomes of this process or its session), then the section, then the
+    release by its token, recorded ``lost`` if the lease was gone (as ``Lock.release``)."""
+    lease = lock.detach()
+    assert job.ttl is not None
+    try:
+        backend.hand_over(lease, job.ttl, if_unchanged=True)  # None: lost; its release says
+    except BackendError:
+        log(e="store_error", where="hand_over")
+    write(job, ledger, [lease], log)
+    ending = Ending(lease, Outcome.SUCCEEDED, None, None, None, False)
+    try:
+        release = "ok" if releasing.release(backend, ending, defer=False) is not None else "lost"
+    except BackendError:
+        release = "error"
+    log(e="rel", token=lease.token, release=release, t=time.monotonic())
 
 
 async def async_section(job: Job, backend: LockBackend, ledger: Ledger, key: str, log: Log) -> None:
