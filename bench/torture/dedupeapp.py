@@ -9,6 +9,8 @@ configured by environment.
     DLOCK_DSOAK_LOGS       the directory of the logs, one file per process
     DLOCK_DSOAK_TTL        the marks' ``dedupe_ttl``, seconds
     DLOCK_DSOAK_MODE       the task's ``dedupe``: ``until_started`` or ``until_finished``
+    DLOCK_DSOAK_COUNTDOWN  each call's ``countdown``, seconds (0: none), as a debounced
+                           webhook's: its message waits in a worker's ETA schedule
 
 Each body logs ``{"e": "start", "c", "task", "fence", "t"}`` as it starts (its lease held)
 and ``{"e": "end", "task", "t"}`` as it ends, to ``body-<pid>.jsonl``; each producer logs
@@ -36,6 +38,7 @@ from .common import append_jsonl, soak_config
 
 ENV = os.environ.get
 LOGS = Path(ENV("DLOCK_DSOAK_LOGS", "."))
+COUNTDOWN = float(ENV("DLOCK_DSOAK_COUNTDOWN", "0"))
 
 app = Celery("dlock_dedupe_soak")
 app.conf.update(
@@ -79,7 +82,7 @@ def submit(customer: int) -> None:
     mine = str(uuid.uuid4())
     log("producer", e="call", c=customer, id=mine, t=time.time())
     try:
-        got = sync.apply_async((customer,), task_id=mine).id
+        got = sync.apply_async((customer,), task_id=mine, countdown=COUNTDOWN or None).id
     except Exception as exc:  # the broker or the store restarting: the caller was told
         log("producer", e="err", id=mine, error=type(exc).__name__, t=time.time())
         time.sleep(0.05)

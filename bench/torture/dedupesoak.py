@@ -114,6 +114,7 @@ class DedupeSoak:
             "DLOCK_DSOAK_LOGS": str(self.logs),
             "DLOCK_DSOAK_TTL": str(self.o.ttl),
             "DLOCK_DSOAK_MODE": self.o.mode,
+            "DLOCK_DSOAK_COUNTDOWN": str(self.o.countdown),
         }
 
     def start_worker(self) -> None:
@@ -271,8 +272,9 @@ class DedupeSoak:
         early = logs.ended_before_run() if self.o.mode == "until_finished" else Counter()
         violations += sum(n for how, n in early.items() if how not in EARLY_ENDS)
         o = self.o
-        print(f"dedupe soak ({o.mode}) on {o.store}: {o.seconds:.0f} s, {o.producers} producers, "
-              f"{o.customers} customers, ttl {o.ttl:.0f} s, seed {o.seed}")  # fmt: skip
+        print(f"dedupe soak ({o.mode}, countdown {o.countdown:g} s) on {o.store}: "
+              f"{o.seconds:.0f} s, {o.producers} producers, {o.customers} customers, "
+              f"ttl {o.ttl:.0f} s, seed {o.seed}")  # fmt: skip
         print(logs.summary())
         faults = Counter(e["e"] for e in self.events)
         print(f"faults: {dict(faults)}; errors: {[e for e in self.events if 'error' in e]}")
@@ -443,6 +445,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--producer-kills", type=int, default=3)
     parser.add_argument("--mode", choices=("until_started", "until_finished"),
                         default="until_started", help="the task's dedupe")  # fmt: skip
+    parser.add_argument("--countdown", type=float, default=0.0, help="each call's countdown")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", default=None, help="copy the logs to this directory")
     return DedupeSoak(parser.parse_args(argv)).run()
