@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from celery_dlock import Holder, Outcome
-from tests.backends.stores.postgres import SERVER_URL, with_options
 from tests.support import eventually
+from tests.support.services import postgres_admin
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -44,7 +44,7 @@ def waiting_for_a_lock(admin: Any, pid: int) -> bool:
 
 
 def test_a_take_over_begun_before_a_hand_over_leaves_the_lease_handed_over(
-    backends: Backends, admin: Any, schema: str
+    backends: Backends, admin: Any
 ) -> None:
     holder_store = backends()
     key = "job:mark#queued:sync"
@@ -53,7 +53,7 @@ def test_a_take_over_begun_before_a_hand_over_leaves_the_lease_handed_over(
     sql = holder_store._sql  # the store's statements, as its own sessions run them
     grant = sql.names.key_space("grant")
     admin.execute("SELECT pg_advisory_lock(%s, hashtext(%s))", (grant, key))
-    other = psycopg.connect(with_options(SERVER_URL, schema=schema).split("?")[0], autocommit=True)
+    other = postgres_admin()  # a session of its own, as a second process's
     duplicate = Holder.current(task_id="second")
     params: dict[str, Any] = {
         "key": key, "token": uuid.uuid4().hex, "ttl": 60.0, "holder": duplicate.to_json(),
