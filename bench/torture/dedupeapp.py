@@ -11,6 +11,7 @@ configured by environment.
     DLOCK_DSOAK_MODE       the task's ``dedupe``: ``until_started`` or ``until_finished``
     DLOCK_DSOAK_COUNTDOWN  each call's ``countdown``, seconds (0: none), as a debounced
                            webhook's: its message waits in a worker's ETA schedule
+    DLOCK_DSOAK_ACKS       ``late`` (``acks_late``, the default here) or ``early`` (Celery's)
 
 Each body logs ``{"e": "start", "c", "task", "fence", "t"}`` as it starts (its lease held)
 and ``{"e": "end", "task", "t"}`` as it ends, to ``body-<pid>.jsonl``; each producer logs
@@ -49,6 +50,9 @@ app.conf.update(
         10,
     )
 )
+# Celery's default: each message acknowledged as a child takes it (a child killed then loses
+# it), not after its run.
+app.conf.task_acks_late = ENV("DLOCK_DSOAK_ACKS", "late") == "late"
 install(app)
 
 

@@ -115,6 +115,7 @@ class DedupeSoak:
             "DLOCK_DSOAK_TTL": str(self.o.ttl),
             "DLOCK_DSOAK_MODE": self.o.mode,
             "DLOCK_DSOAK_COUNTDOWN": str(self.o.countdown),
+            "DLOCK_DSOAK_ACKS": self.o.acks,
         }
 
     def start_worker(self) -> None:
@@ -272,7 +273,7 @@ class DedupeSoak:
         early = logs.ended_before_run() if self.o.mode == "until_finished" else Counter()
         violations += sum(n for how, n in early.items() if how not in EARLY_ENDS)
         o = self.o
-        print(f"dedupe soak ({o.mode}, countdown {o.countdown:g} s) on {o.store}: "
+        print(f"dedupe soak ({o.mode}, countdown {o.countdown:g} s, acks {o.acks}) on {o.store}: "
               f"{o.seconds:.0f} s, {o.producers} producers, {o.customers} customers, "
               f"ttl {o.ttl:.0f} s, seed {o.seed}")  # fmt: skip
         print(logs.summary())
@@ -446,6 +447,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--mode", choices=("until_started", "until_finished"),
                         default="until_started", help="the task's dedupe")  # fmt: skip
     parser.add_argument("--countdown", type=float, default=0.0, help="each call's countdown")
+    parser.add_argument("--acks", choices=("late", "early"), default="late",
+                        help="acks_late (late), or Celery's default (early)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", default=None, help="copy the logs to this directory")
     return DedupeSoak(parser.parse_args(argv)).run()
