@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from celery import Signature
-from celery.exceptions import Ignore, TaskRevokedError
+from celery.exceptions import Ignore, Retry, TaskRevokedError
 from kombu.utils import json as kombu_json
 
 from celery_dlock.events import fields
@@ -31,7 +31,10 @@ REPLACED = "replaced"
 
 
 def outcome_of(exc: BaseException) -> Outcome:
-    """The outcome of a body that raised ``exc`` (Retry is handled before this)."""
+    """The outcome of a run that raised ``exc``: ``retried`` for a Retry (the same task goes
+    on; a body's own retry keeps its lock, handled before this: ``LockedTask._retrying``)."""
+    if isinstance(exc, Retry):
+        return Outcome.RETRIED
     if isinstance(exc, Ignore):
         return Outcome.SKIPPED
     # billiard raises Terminated in a child that gets SIGTERM (revoke(terminate=True)).

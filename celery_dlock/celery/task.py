@@ -321,8 +321,8 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             request.dlock_lock = lock
             self._started(request)
             return self._body(lock, args, kwargs, interrupter)
-        except BaseException as exc:  # Retry: re-queued before its body (none held: nothing)
-            self._finish(lock, Outcome.RETRIED if isinstance(exc, Retry) else outcome_of(exc), exc)
+        except BaseException as exc:  # a Retry: re-queued before its body (none held: nothing)
+            self._finish(lock, outcome_of(exc), exc)
             raise
         finally:
             request.dlock_lock = None
