@@ -335,14 +335,15 @@ def test_settle_records_a_lease_whose_time_ran_out_after_its_reap(
         assert (record.lease.token, str(record.outcome)) == (lease.token, "expired")
 
 
-@pytest.mark.parametrize("fault", ["none", "killed", "cut off", "restart"])
+@pytest.mark.parametrize("fault", ["none", "killed", "cut off", "restart", "release failed"])
 def test_a_lease_recorded_disconnected_while_its_holder_lived_is_reported(
     tmp_path: Path, fault: str
 ) -> None:
     """A holder that released its lease ok, or found it gone (``lost``), while the store
     had recorded it ``disconnected``: its session ended under it, which only a kill, a
     partition or a store restart in its section explains (the Postgres take-over of a lease
-    being handed over, 2026-11-29, did so without any)."""
+    being handed over, 2026-11-29, did so without any), or a release that failed (the lease
+    stays held until its holder dies or releases again)."""
     section, backend = _cut_off_release(tmp_path, 599.0)
     events: list[dict[str, Any]] = []
     if fault == "killed":
@@ -351,6 +352,8 @@ def test_a_lease_recorded_disconnected_while_its_holder_lived_is_reported(
         events.append({"e": "partition", "token": section.token, "t": 580.0})
     elif fault == "restart":
         events.append({"e": "restart", "kind": "fast", "t": 590.0, "t_end": 591.0})
+    elif fault == "release failed":  # the lease left held; its holder killed after it
+        section.release = "error"
     report = Report("postgres")
     try:
         check_history({KEY: [section]}, backend, events, report)

@@ -30,7 +30,8 @@ just before its release (``end``), or to the moment its worker was SIGKILLed. Wh
    section of a holder that died before its release said how it ended (the lease died with
    the store's data, and only its release would have recorded it ``lost``).
 5. No lease is recorded ``disconnected`` while its holder lived and reached its store: not
-   killed, not cut off by a partition, no store restart from its grant to its release.
+   killed, not cut off by a partition, no store restart from its grant to its release, and
+   its release did not fail (a failed one leaves the lease to its holder's death).
 """
 
 from __future__ import annotations
@@ -460,10 +461,16 @@ def check_history(
 def _alive(section: Section, restarts: list[dict[str, Any]], cut: set[str]) -> bool:
     """Whether the holder of ``section`` lived, and reached its store, until its release:
     not killed, not cut off, and no store restart (which ends lock sessions) from its grant
-    to its release. Its lease is then never ``disconnected``."""
+    to its release, and the release reached the store. Its lease is then never
+    ``disconnected``. A release that failed (``error``: the file store's disk full) leaves
+    the lease held, its release deferred to the process's next one: the holder killed
+    before that, the lease is rightly ``disconnected`` (2026-11-29, ``--short``: a worker's
+    two releases failed on the full disk, it was killed 1.6 s later, and both its leases were
+    recorded ``disconnected``)."""
     until = section.end if section.released is None else section.released
     restarted = any(r["t"] <= until and r.get("t_end", r["t"]) >= section.start for r in restarts)
-    return not (section.killed or section.token in cut or restarted)
+    failed = section.release == "error"
+    return not (section.killed or section.token in cut or restarted or failed)
 
 
 def _excused(report: Report, excuse: dict[str, Any], section: Section) -> None:
