@@ -42,6 +42,8 @@ def test_the_checker_reports_every_coalesced_call_without_a_run_after_it(tmp_pat
         *call(3, "into-f", 2.0, "f"),  # excused
         *call(4, "m", 1.0, "m"),  # sent; its start is known by its mark's record only
         *call(4, "into-m", 2.0, "m"),
+        *call(4, "as-m-started", 3.01, "m"),  # as its mark's release began: reported
+        *call(4, "after-m", 3.2, "m"),  # its mark's release 0.2 s before: a violation
     )
     write(tmp_path / "producer-2.jsonl", {"e": "err", "id": "x", "error": "OperationalError"})
     write(tmp_path / "body-7.jsonl", *body(1, "a", 10.0, 12.0), *body(5, "p", 20.0, 22.0))
@@ -56,12 +58,14 @@ def test_the_checker_reports_every_coalesced_call_without_a_run_after_it(tmp_pat
     assert verdicts == {
         "sent": 3,
         "coalesced, run started after": 2,  # "early", and "into-m" by its mark's record
-        "VIOLATION started before the webhook": 1,
+        "coalesced as its run started (its mark being released)": 1,
+        "VIOLATION started before the webhook": 2,
         "VIOLATION never ran, sent": 1,
         "never ran, its producer was killed (excused)": 1,
     }
     assert examples["VIOLATION started before the webhook"] == [
-        "late at 11.0000 given a started at 10.0000 (-1.0000 s)"
+        "late at 11.0000 given a started at 10.0000 (-1.0000 s)",
+        "after-m at 3.2000 given m started at 3.0000 (-0.2000 s)",
     ]
     assert logs.overlaps() == 1  # "b" began before "a" ended; "q" began as "p" ended
     assert logs.started_after(1, 11.0) and not logs.started_after(2, 0.0)

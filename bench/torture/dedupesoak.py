@@ -4,7 +4,10 @@ Webhooks for a few customers, submitted as fast as four producer processes can, 
 ``dedupeapp.sync``: a ``LockedTask`` with ``dedupe="until_started"``, through a real
 ``celery worker -P prefork -c 4`` (``acks_late``). Broker and lock store are two private
 ``redis-server`` processes (``appendfsync always``; ``--store postgres``: the store a
-private PostgreSQL, restarted ``-m fast``; ``--store file``: a directory, not restarted).
+private PostgreSQL, restarted ``-m fast``; ``pgbouncer``: the same behind a transaction
+pooler, ``liveness=ttl``; ``redis-cluster``: three primaries and their replicas, restarted
+by a failover that loses the dying primary's last writes; ``file``, ``s3``, ``gcs``: not
+restarted).
 Meanwhile, at random moments: worker children SIGKILLed (``--child-kills``), producers
 SIGKILLed (``--producer-kills``) and started again, and ``--restarts`` restarts of the
 broker and of the store (Redis SIGKILLed and restarted on its append-only file: nothing
@@ -19,6 +22,10 @@ the start of the message it was given (its body's log line, or its mark ended ``
 as a worker took it), and reports each one that is not, by cause:
 - **started before the webhook** (a violation): the message had started when its id was
   returned: the webhook's news came after the run read the data.
+- **coalesced as its run started** (reported): the call began within ``RELEASE_SLACK``
+  after its mark's ``dequeued`` record and before the body's start: a record's time is its
+  release statement's start, and a call may read the mark until that statement commits
+  (through PgBouncer: 2 ms after it, 2026-11-29).
 - **never ran, sent** (a violation): the message was sent (its producer was told so) but no
   worker started it.
 - **never ran, sent before a broker restart, its mark expired** (reported): the broker
@@ -70,10 +77,16 @@ from pathlib import Path
 from typing import Any
 
 from .common import stop_worker
-from .servers import FileStore, PostgresServer, RedisServer, Store
+from .servers import PooledPostgresServer, PostgresServer, RedisServer, Store, make_store
 
 REPO = Path(__file__).resolve().parents[2]
 BROKER_DB = 7
+STORES = ("redis", "postgres", "file", "pgbouncer", "redis-cluster", "s3", "gcs")
+#: How each store restarts, losing nothing it acknowledged (but a failover: what the dying
+#: primary had not passed to its replica); the file store and the object stores do not.
+STORE_RESTART = {
+    "postgres": "fast", "pgbouncer": "fast", "redis": "aof", "redis-cluster": "failover",
+}  # fmt: skip
 #: A start found this many seconds before the webhook still counts as after it: the two
 #: clocks read are the host's, by two processes (none needed so far: kept at 0).
 SLACK = 0.0
@@ -98,8 +111,7 @@ class DedupeSoak:
         self.logs = self.directory / "logs"
         self.logs.mkdir()
         self.broker = RedisServer(restart_delay=0.0)
-        stores = {"postgres": PostgresServer, "file": FileStore}
-        self.store: Store = stores.get(options.store, lambda: RedisServer(restart_delay=0.0))()
+        self.store: Store = make_store(options.store, restart_delay=0.0)
         self.namespace = f"dsoak{os.urandom(3).hex()}"
         self.worker: subprocess.Popen[bytes] | None = None
         self.producers: list[subprocess.Popen[bytes]] = []
@@ -109,7 +121,7 @@ class DedupeSoak:
         return {
             **os.environ,
             "DLOCK_DSOAK_BROKER": f"redis://127.0.0.1:{self.broker.port}/{BROKER_DB}",
-            "DLOCK_DSOAK_LOCKS": self.store.url(),
+            "DLOCK_DSOAK_LOCKS": self.store_url(),
             "DLOCK_DSOAK_NAMESPACE": self.namespace,
             "DLOCK_DSOAK_LOGS": str(self.logs),
             "DLOCK_DSOAK_TTL": str(self.o.ttl),
@@ -117,6 +129,13 @@ class DedupeSoak:
             "DLOCK_DSOAK_COUNTDOWN": str(self.o.countdown),
             "DLOCK_DSOAK_ACKS": self.o.acks,
         }
+
+    def store_url(self) -> str:
+        """The lock store's URL; through a pooler, leases alive by their ttl (the URL's
+        ``ttl`` for the body locks, the marks' own ``--ttl``)."""
+        if isinstance(self.store, PooledPostgresServer):
+            return f"{self.store.url()}?liveness=ttl&ttl=10"
+        return self.store.url()
 
     def start_worker(self) -> None:
         args = [
@@ -172,8 +191,8 @@ class DedupeSoak:
                         self.producers.append(self.start_producer(left))
                 elif what == "broker":
                     self.broker.restart("aof")
-                elif what == "store":  # nothing acknowledged lost: aof, or a fast shutdown
-                    self.store.restart("fast" if isinstance(self.store, PostgresServer) else "aof")
+                elif what == "store":  # nothing acknowledged lost (aof, a fast shutdown)
+                    self.store.restart(STORE_RESTART[self.store.name])  # but by a failover
                 if self.worker is not None and self.worker.poll() is not None:
                     event["worker_exited"] = self.worker.returncode
                     self.start_worker()
@@ -194,10 +213,12 @@ class DedupeSoak:
         try:
             self.broker.start()
             self.store.start()
-            if isinstance(self.store, PostgresServer):
+            if isinstance(self.store, PostgresServer):  # the tables, not through a pooler
                 from celery_dlock.backends.postgres import PostgresBackend
 
-                created = PostgresBackend.from_url(self.store.url())
+                store = self.store
+                url = store.direct_url() if isinstance(store, PooledPostgresServer) else store.url()
+                created = PostgresBackend.from_url(url)
                 created.migrate()
                 created.close()
             broker = redis_py.Redis(port=self.broker.port, db=BROKER_DB, socket_timeout=5)
@@ -254,7 +275,7 @@ class DedupeSoak:
 
         logs = Logs(self.logs, self.o.mode)
         logs.broker_restarts = [e["t"] for e in self.events if e["e"] == "broker"]
-        store = backend_from_url(self.store.url())
+        store = backend_from_url(self.store_url())
         try:
             records = store.history(limit=None)
             marks = logs.add_dequeued(records)
@@ -325,6 +346,8 @@ class Logs:
         self.started: dict[str, float] = {}
         for s in self.starts:
             self.started[s["task"]] = min(self.started.get(s["task"], s["t"]), s["t"])
+        #: Each message's first start by its body's log line alone.
+        self.body_started = dict(self.started)
         #: Each message's last body end (a redelivered message runs again).
         self.last_end: dict[str, float] = {}
         for x in lines:
@@ -352,6 +375,9 @@ class Logs:
         if got in self.started:
             if self.started[got] >= t0 - SLACK:
                 return "coalesced, run started after"
+            body = self.body_started.get(got)
+            if (body is None or body >= t0 - SLACK) and self.started[got] >= t0 - RELEASE_SLACK:
+                return "coalesced as its run started (its mark being released)"
             return "VIOLATION started before the webhook"
         return self.never_ran(t0, got)
 
@@ -436,7 +462,7 @@ class Logs:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--store", choices=("redis", "postgres", "file"), default="redis")
+    parser.add_argument("--store", choices=STORES, default="redis")
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--restarts", type=int, default=1, help="of the broker and the store")
     parser.add_argument("--producers", type=int, default=4)
