@@ -335,7 +335,10 @@ def test_settle_records_a_lease_whose_time_ran_out_after_its_reap(
         assert (record.lease.token, str(record.outcome)) == (lease.token, "expired")
 
 
-@pytest.mark.parametrize("fault", ["none", "killed", "cut off", "restart", "release failed"])
+@pytest.mark.parametrize(
+    "fault",
+    ["none", "killed", "cut off", "set cut off", "other cut off", "restart", "release failed"],
+)
 def test_a_lease_recorded_disconnected_while_its_holder_lived_is_reported(
     tmp_path: Path, fault: str
 ) -> None:
@@ -350,6 +353,10 @@ def test_a_lease_recorded_disconnected_while_its_holder_lived_is_reported(
         section.killed = True
     elif fault == "cut off":
         events.append({"e": "partition", "token": section.token, "t": 580.0})
+    elif fault in ("set cut off", "other cut off"):  # the event names another lease:
+        # of its own set (--together), or of another worker
+        log = section.log if fault == "set cut off" else "w03.0003.jsonl"
+        events.append({"e": "partition", "token": "x", "log": log, "t": 580.0, "t_heal": 598.5})
     elif fault == "restart":
         events.append({"e": "restart", "kind": "fast", "t": 590.0, "t_end": 591.0})
     elif fault == "release failed":  # the lease left held; its holder killed after it
@@ -360,4 +367,5 @@ def test_a_lease_recorded_disconnected_while_its_holder_lived_is_reported(
     finally:
         backend.close()
     alive = f"{KEY}: fence 779 recorded disconnected while its holder lived, its store up"
-    assert any(problem.startswith(alive) for problem in report.problems) == (fault == "none")
+    reported = any(problem.startswith(alive) for problem in report.problems)
+    assert reported == (fault in ("none", "other cut off"))

@@ -30,8 +30,9 @@ just before its release (``end``), or to the moment its worker was SIGKILLed. Wh
    section of a holder that died before its release said how it ended (the lease died with
    the store's data, and only its release would have recorded it ``lost``).
 5. No lease is recorded ``disconnected`` while its holder lived and reached its store: not
-   killed, not cut off by a partition, no store restart from its grant to its release, and
-   its release did not fail (a failed one leaves the lease to its holder's death).
+   killed, not cut off by a partition (nor was another lease of its set), no store restart
+   from its grant to its release, and its release did not fail (a failed one leaves the
+   lease to its holder's death).
 """
 
 from __future__ import annotations
@@ -412,6 +413,7 @@ def check_history(
     """Invariant 4, for every section: its lease's record is in the store's history."""
     restarts = [event for event in events if event["e"] == "restart"]
     cut = {event["token"] for event in events if event["e"] == "partition"}
+    partitioned = _partitioned(keyed, events)
     releases: Counter[str] = Counter()
     cut_outcomes: Counter[str] = Counter()
     outcomes: Counter[str] = Counter()
@@ -431,7 +433,7 @@ def check_history(
             if section.token in cut:
                 releases.update([section.release or "none"])
                 cut_outcomes.update(found or ["missing"])
-            if found and "disconnected" in found and _alive(section, restarts, cut):
+            if found and "disconnected" in found and _alive(section, restarts, partitioned):
                 report.fail(
                     f"{key}: fence {section.fence} recorded disconnected while its holder "
                     f"lived, its store up ({section.log})"
@@ -456,6 +458,24 @@ def check_history(
     report.killed_outcomes = dict(sorted(outcomes.items()))
     report.cut_releases = dict(sorted(releases.items()))
     report.cut_outcomes = dict(sorted(cut_outcomes.items()))
+
+
+def _partitioned(keyed: dict[str, list[Section]], events: list[dict[str, Any]]) -> set[str]:
+    """The tokens of every lease a partition cut off: the one its event names and the
+    others its worker held during it (``--together``: the rest of the set)."""
+    cuts = [event for event in events if event["e"] == "partition"]
+    tokens = {event["token"] for event in cuts}
+    for sections in keyed.values():
+        for section in sections:
+            until = section.end if section.released is None else section.released
+            if any(
+                event.get("log") == section.log
+                and section.start <= event.get("t_heal", event["t"])
+                and until >= event["t"]
+                for event in cuts
+            ):
+                tokens.add(section.token)
+    return tokens
 
 
 def _alive(section: Section, restarts: list[dict[str, Any]], cut: set[str]) -> bool:
