@@ -128,3 +128,31 @@ def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
         "late at 20.0000 given s started at 2.0000 (-18.0000 s)"
     ]
     assert logs.ended_before_run() == {"revoked": 1}  # "r": its mark ended before it ran
+
+
+def test_a_call_coalesced_into_a_mark_a_failover_brought_back_is_told_apart(
+    tmp_path: Path,
+) -> None:
+    """Redis Cluster: a message started as its primary failed over; the mark's release was
+    lost with that primary, so the mark ran out (``expired``) while calls were coalesced
+    into the started message. Reported as such within the failover's window; the same
+    without a failover, or long after it, is a violation."""
+    write(
+        tmp_path / "producer-1.jsonl",
+        *call(1, "a", 1.0, "a"),  # sent; starts at 10.5, a failover began at 10.0
+        *call(1, "into-a", 12.0, "a"),
+        *call(2, "b", 1.0, "b"),  # sent; starts at 20.0, no failover near
+        *call(2, "into-b", 21.0, "b"),
+    )
+    write(tmp_path / "body-7.jsonl", *body(1, "a", 10.5, 10.6), *body(2, "b", 20.0, 20.1))
+    logs = Logs(tmp_path)
+    logs.failovers = [10.0]
+    logs.add_dequeued(
+        [mark_record("a", 1.0, 20.0, Outcome.EXPIRED), mark_record("b", 1.0, 30.0, Outcome.EXPIRED)]
+    )
+    verdicts, _ = logs.verdicts()
+    assert verdicts == {
+        "sent": 2,
+        "coalesced into a mark a failover brought back (its release lost)": 1,
+        "VIOLATION started before the webhook": 1,
+    }

@@ -26,6 +26,11 @@ as a worker took it), and reports each one that is not, by cause:
   after its mark's ``dequeued`` record and before the body's start: a record's time is its
   release statement's start, and a call may read the mark until that statement commits
   (through PgBouncer: 2 ms after it, 2026-11-29).
+- **coalesced into a mark a failover brought back** (reported; ``--store redis-cluster``):
+  the message had started within ``FAILOVER_WINDOW`` of a failover's start, and its mark
+  ran out (``expired``) instead of ending ``dequeued``: the dying primary acknowledged the
+  release, its replica never had it, and calls are coalesced into the started message until
+  the mark's ``dedupe_ttl`` ends. (``until_finished``: its run had ended then.)
 - **never ran, sent** (a violation): the message was sent (its producer was told so) but no
   worker started it.
 - **never ran, sent before a broker restart, its mark expired** (reported): the broker
@@ -93,6 +98,9 @@ SLACK = 0.0
 #: ``until_finished``: seconds after its body's end that a call may still be coalesced into
 #: a message, its mark being released (a store round trip or two) after the body returns.
 RELEASE_WINDOW = 1.0
+#: Seconds from a failover's start (its primary cut off from its replica) within which a
+#: write to that primary may be lost: the cut, the kill, the replica's promotion.
+FAILOVER_WINDOW = 2.0
 #: A mark's record says when its release statement began (Postgres: ``now()``), not when it
 #: was committed, after which a producer's look no longer finds it: a call this much after
 #: that time may still have found the mark.
@@ -101,6 +109,10 @@ RELEASE_SLACK = 0.05
 #: message waited longer), or its pool child was killed (the message runs again only if the
 #: broker gives it again).
 EARLY_ENDS = ("expired", "disconnected")
+#: A call coalesced into a mark that a Redis Cluster failover brought back after its
+#: message's run had started (``until_finished``: ended): the dying primary had acknowledged
+#: the mark's release, its replica never had it (the README's Redis Cluster section).
+FAILED_OVER = "coalesced into a mark a failover brought back (its release lost)"
 
 
 class DedupeSoak:
@@ -275,6 +287,8 @@ class DedupeSoak:
 
         logs = Logs(self.logs, self.o.mode)
         logs.broker_restarts = [e["t"] for e in self.events if e["e"] == "broker"]
+        if self.store.name == "redis-cluster":
+            logs.failovers = [e["t"] for e in self.events if e["e"] == "store"]
         store = backend_from_url(self.store_url())
         try:
             records = store.history(limit=None)
@@ -342,6 +356,8 @@ class Logs:
         self.mark_released: dict[str, float] = {}
         #: Broker restarts (``time.time()``): a message sent just before one may be lost.
         self.broker_restarts: list[float] = []
+        #: Redis Cluster failovers (``time.time()``): they lose the last writes of a primary.
+        self.failovers: list[float] = []
         #: Each message's first start: its body's log line, or its mark ended ``dequeued``.
         self.started: dict[str, float] = {}
         for s in self.starts:
@@ -378,6 +394,8 @@ class Logs:
             body = self.body_started.get(got)
             if (body is None or body >= t0 - SLACK) and self.started[got] >= t0 - RELEASE_SLACK:
                 return "coalesced as its run started (its mark being released)"
+            if self.failed_over(got, self.started[got]):
+                return FAILED_OVER
             return "VIOLATION started before the webhook"
         return self.never_ran(t0, got)
 
@@ -406,10 +424,19 @@ class Logs:
                 return "coalesced as its run ended (its mark being released)"
             if self.mark_ends.get(got) == "disconnected":
                 return "coalesced after its run ended, its child killed before the mark's end"
+            if self.failed_over(got, end):
+                return FAILED_OVER
             return "VIOLATION coalesced after its run had ended"
         if got in self.rets and self.mark_ends.get(got) == "disconnected":
             return "never ran, its child killed first (its result FAILURE)"
         return self.never_ran(t0, got)
+
+    def failed_over(self, got: str, released: float) -> bool:
+        """Whether the mark of message ``got``, released at ``released`` (its run's start, or
+        end), was brought back by a failover that lost that release: it ran out instead."""
+        return self.mark_ends.get(got) == "expired" and any(
+            f <= released <= f + FAILOVER_WINDOW for f in self.failovers
+        )
 
     def verdicts(self) -> tuple[Counter[str], dict[str, list[str]]]:
         """Each answered webhook: sent, or coalesced and what became of the message."""
@@ -423,7 +450,9 @@ class Logs:
             got, t0 = ret["got"], call["t"]
             verdict = self.verdict(t0, got)
             verdicts[verdict] += 1
-            if verdict.startswith(("VIOLATION", "never ran, its send", "never ran, sent")):
+            if verdict.startswith(
+                ("VIOLATION", "never ran, its send", "never ran, sent", FAILED_OVER)
+            ):
                 late = self.started.get(got)
                 when = "" if late is None else f" started at {late:.4f} ({late - t0:+.4f} s)"
                 examples[verdict].append(f"{mine} at {t0:.4f} given {got}{when}")
