@@ -25,7 +25,8 @@ as a worker took it), and reports each one that is not, by cause:
 - **coalesced as its run started** (reported): the call began within ``RELEASE_SLACK``
   after its mark's ``dequeued`` record and before the body's start: a record's time is its
   release statement's start, and a call may read the mark until that statement commits
-  (through PgBouncer: 2 ms after it, 2026-11-29).
+  (through PgBouncer: 2 ms after it, 2026-11-29); on S3 and GCS within
+  ``OBJECT_STORE_SLACK``: the record's time is the store's clock, known within a second.
 - **coalesced into a mark a failover brought back** (reported; ``--store redis-cluster``):
   the message had started within ``FAILOVER_WINDOW`` of a failover's start, and its mark
   ran out (``expired``) instead of ending ``dequeued``: the dying primary acknowledged the
@@ -105,6 +106,9 @@ FAILOVER_WINDOW = 2.0
 #: was committed, after which a producer's look no longer finds it: a call this much after
 #: that time may still have found the mark.
 RELEASE_SLACK = 0.05
+#: The same for S3 and GCS, whose records carry the store's clock as read from the ``Date``
+#: of its responses (whole seconds): known within a second.
+OBJECT_STORE_SLACK = 1.0
 #: ``until_finished``: how a mark may end before its message runs: its ttl ran out (the
 #: message waited longer), or its pool child was killed (the message runs again only if the
 #: broker gives it again).
@@ -285,7 +289,8 @@ class DedupeSoak:
         """Read the logs and the store's history; print the table; 1 on a violation."""
         from celery_dlock.backends import backend_from_url
 
-        logs = Logs(self.logs, self.o.mode)
+        slack = OBJECT_STORE_SLACK if self.o.store in ("s3", "gcs") else RELEASE_SLACK
+        logs = Logs(self.logs, self.o.mode, slack)
         logs.broker_restarts = [e["t"] for e in self.events if e["e"] == "broker"]
         if self.store.name == "redis-cluster":
             logs.failovers = [e["t"] for e in self.events if e["e"] == "store"]
@@ -331,8 +336,12 @@ class DedupeSoak:
 class Logs:
     """The producers' and the bodies' logs of a run."""
 
-    def __init__(self, directory: Path, mode: str = "until_started") -> None:
+    def __init__(
+        self, directory: Path, mode: str = "until_started", record_slack: float = RELEASE_SLACK
+    ) -> None:
         self.mode = mode
+        #: How much earlier than its release's end a record's time may be.
+        self.record_slack = record_slack
         lines: list[dict[str, Any]] = []
         #: Each body that ended: (customer, start, end), paired in its process's log (a
         #: message redelivered runs again under the same task id).
@@ -392,7 +401,8 @@ class Logs:
             if self.started[got] >= t0 - SLACK:
                 return "coalesced, run started after"
             body = self.body_started.get(got)
-            if (body is None or body >= t0 - SLACK) and self.started[got] >= t0 - RELEASE_SLACK:
+            late = self.started[got] >= t0 - self.record_slack
+            if (body is None or body >= t0 - SLACK) and late:
                 return "coalesced as its run started (its mark being released)"
             if self.failed_over(got, self.started[got]):
                 return FAILED_OVER
@@ -414,7 +424,7 @@ class Logs:
     def verdict_finished(self, t0: float, got: str) -> str:
         """``until_finished``: coalesced while the message was queued or running."""
         released = self.mark_released.get(got)
-        if released is not None and released < t0 - RELEASE_SLACK:
+        if released is not None and released < t0 - self.record_slack:
             return "VIOLATION its mark had ended before the webhook"
         if got in self.started:
             end = self.last_end.get(got)
