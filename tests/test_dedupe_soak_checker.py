@@ -95,6 +95,8 @@ def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
         *call(4, "into-k", 2.0, "k"),  # reported
         *call(5, "d", 1.0, "d"),  # sent; runs 2 to 3, its child killed before the mark's end
         *call(5, "into-d", 9.0, "d"),  # reported: the mark ended disconnected at 12
+        *call(6, "h", 1.0, "h"),  # sent; runs 40 to 41 as the store restarts (at 40.5)
+        *call(6, "into-h", 44.0, "h"),  # reported: its mark released at 45, held up by it
     )
     write(
         tmp_path / "body-7.jsonl",
@@ -102,8 +104,10 @@ def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
         *body(2, "s", 2.0, 3.0),
         *body(3, "r", 6.0, 6.5),
         *body(5, "d", 2.0, 3.0),
+        *body(6, "h", 40.0, 41.0),
     )
     logs = Logs(tmp_path, "until_finished")
+    logs.store_restarts = [40.5]
     logs.add_dequeued(
         [
             mark_record("a", 1.0, 12.01, Outcome.SUCCEEDED),
@@ -111,13 +115,15 @@ def test_the_until_finished_checker_holds_calls_to_a_queued_or_running_message(
             mark_record("r", 1.0, 4.0, Outcome.REVOKED),
             mark_record("k", 1.0, 3.0, Outcome.DISCONNECTED),
             mark_record("d", 1.0, 12.0, Outcome.DISCONNECTED),
+            mark_record("h", 1.0, 45.0, Outcome.SUCCEEDED),
         ]
     )
 
     verdicts, examples = logs.verdicts()
     assert verdicts == {
-        "sent": 5,
+        "sent": 6,
         "coalesced, queued or running": 2,
+        "coalesced after its run ended, its mark's release held up by a store restart": 1,
         "coalesced after its run ended, its child killed before the mark's end": 1,
         "coalesced as its run ended (its mark being released)": 1,
         "VIOLATION coalesced after its run had ended": 1,

@@ -56,6 +56,9 @@ into a run that had begun is then kept; what the checker holds a coalesced call 
   body returns). Reported too: a run whose child was killed after its body ended and before
   its mark's release, which the worker's parent ends ``disconnected`` once Celery reports
   the child lost: after ``worker_lost_wait`` (10 s), while calls are coalesced into it.
+  Reported too: calls coalesced after a run that ended as the store restarted: the store
+  refused its mark's release, which its process tries again at its next release that
+  reaches the store (and never, if that pool child is killed first: the mark runs out).
 - **never ran**: as above; and a message whose mark ended ``disconnected`` before it ever
   started (its pool child killed first: Celery does not run it again, and the callers'
   result reads ``FAILURE``): reported.
@@ -113,6 +116,10 @@ OBJECT_STORE_SLACK = 1.0
 #: message waited longer), or its pool child was killed (the message runs again only if the
 #: broker gives it again).
 EARLY_ENDS = ("expired", "disconnected")
+#: ``until_finished``: a call coalesced after its run ended, its mark's release refused by
+#: the store restarting as the run ended, and tried again at its process's next release
+#: that reached the store (or, that child killed first, never: the mark runs out).
+HELD_UP = "coalesced after its run ended, its mark's release held up by a store restart"
 #: A call coalesced into a mark that a Redis Cluster failover brought back after its
 #: message's run had started (``until_finished``: ended): the dying primary had acknowledged
 #: the mark's release, its replica never had it (the README's Redis Cluster section).
@@ -292,8 +299,9 @@ class DedupeSoak:
         slack = OBJECT_STORE_SLACK if self.o.store in ("s3", "gcs") else RELEASE_SLACK
         logs = Logs(self.logs, self.o.mode, slack)
         logs.broker_restarts = [e["t"] for e in self.events if e["e"] == "broker"]
+        logs.store_restarts = [e["t"] for e in self.events if e["e"] == "store"]
         if self.store.name == "redis-cluster":
-            logs.failovers = [e["t"] for e in self.events if e["e"] == "store"]
+            logs.failovers = logs.store_restarts
         store = backend_from_url(self.store_url())
         try:
             records = store.history(limit=None)
@@ -365,6 +373,8 @@ class Logs:
         self.mark_released: dict[str, float] = {}
         #: Broker restarts (``time.time()``): a message sent just before one may be lost.
         self.broker_restarts: list[float] = []
+        #: Store restarts (``time.time()``): a release refused meanwhile is tried again later.
+        self.store_restarts: list[float] = []
         #: Redis Cluster failovers (``time.time()``): they lose the last writes of a primary.
         self.failovers: list[float] = []
         #: Each message's first start: its body's log line, or its mark ended ``dequeued``.
@@ -436,6 +446,8 @@ class Logs:
                 return "coalesced after its run ended, its child killed before the mark's end"
             if self.failed_over(got, end):
                 return FAILED_OVER
+            if any(end - RELEASE_WINDOW <= r <= t0 for r in self.store_restarts):
+                return HELD_UP
             return "VIOLATION coalesced after its run had ended"
         if got in self.rets and self.mark_ends.get(got) == "disconnected":
             return "never ran, its child killed first (its result FAILURE)"
