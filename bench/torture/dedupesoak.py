@@ -124,6 +124,8 @@ HELD_UP = "coalesced after its run ended, its mark's release held up by a store 
 #: message's run had started (``until_finished``: ended): the dying primary had acknowledged
 #: the mark's release, its replica never had it (the README's Redis Cluster section).
 FAILED_OVER = "coalesced into a mark a failover brought back (its release lost)"
+#: The verdicts whose calls are printed (the first five of each).
+SHOWN = ("VIOLATION", "never ran, its send", "never ran, sent", FAILED_OVER, HELD_UP)
 
 
 class DedupeSoak:
@@ -472,9 +474,7 @@ class Logs:
             got, t0 = ret["got"], call["t"]
             verdict = self.verdict(t0, got)
             verdicts[verdict] += 1
-            if verdict.startswith(
-                ("VIOLATION", "never ran, its send", "never ran, sent", FAILED_OVER)
-            ):
+            if verdict.startswith(SHOWN):
                 late = self.started.get(got)
                 when = "" if late is None else f" started at {late:.4f} ({late - t0:+.4f} s)"
                 examples[verdict].append(f"{mine} at {t0:.4f} given {got}{when}")
