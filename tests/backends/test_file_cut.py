@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
 import signal
 import subprocess
 import sys
@@ -124,7 +123,14 @@ def test_a_cut_right_after_the_stripe_mutex_was_taken_frees_it(tmp_path: Path) -
             # acquire would find the stripe free, take it without waiting, and look for the
             # signal only at its next system call: a later point of the step).
             eventually(lambda: _waits_for_the_stripe(main), "the main thread waiting")
-            os.kill(os.getpid(), CUT_SIGNAL)  # comes to this thread: the main one blocks it
+            # To this thread, whose C handler has then run when the call returns. Sent to the
+            # process, the signal may go to any thread that does not block it (an xdist
+            # worker's execnet thread) and trip only once that thread runs, which on a loaded
+            # machine can be after the main thread took the GIL back and passed the step;
+            # CPython 3.11 on Linux has the main thread look for a signal another thread
+            # received only when it next takes the GIL. Seen in CI on 2026-11-29: the cut
+            # came at the pthread_sigmask after the step.
+            signal.pthread_kill(threading.get_ident(), CUT_SIGNAL)
 
     other = threading.Thread(target=hold_the_stripe, daemon=True)
     try:
