@@ -14,6 +14,7 @@ from . import __doc__ as overview
 from . import netns
 from .check import Report, table
 from .run import Settings, torture
+from .servers import STORES
 
 #: ``--short``: the CI run, a few thousand acquisitions per store in about 15 s; the file
 #: store's disk full twice (as root).
@@ -29,7 +30,6 @@ LONG_SECONDS = {
     "pgbouncer": 2200.0, "s3": 240.0, "gcs": 420.0,
 }  # fmt: skip
 LONG_SHAPE = {"keys": 32, "hold": 0.0005}
-STORES = ("file", "postgres", "pgbouncer", "redis", "redis-cluster", "s3", "gcs")
 #: Lease ttl and Lock wait (s) where ``--ttl`` and ``--wait`` are not given: 3 and 2, but 1 and
 #: 1 for the object stores (3-5 ms a call, a waiter polling up to 1 s apart: a killed holder's
 #: key held for a 3 s ttl would leave a short run with few acquisitions).

@@ -374,8 +374,8 @@ def _acknowledged(section: Section) -> bool:
 
 
 def _acknowledged_at(section: Section) -> float:
-    """When the store acknowledged the release of an acknowledged section (its end, in
-    logs that do not say)."""
+    """When the store acknowledged the release of a section (its end, in logs that do not
+    say, and for a section its worker did not see released)."""
     return section.end if section.released is None else section.released
 
 
@@ -467,7 +467,7 @@ def _partitioned(keyed: dict[str, list[Section]], events: list[dict[str, Any]]) 
     tokens = {event["token"] for event in cuts}
     for sections in keyed.values():
         for section in sections:
-            until = section.end if section.released is None else section.released
+            until = _acknowledged_at(section)
             if any(
                 event.get("log") == section.log
                 and section.start <= event.get("t_heal", event["t"])
@@ -487,7 +487,7 @@ def _alive(section: Section, restarts: list[dict[str, Any]], cut: set[str]) -> b
     before that, the lease is rightly ``disconnected`` (2026-11-29, ``--short``: a worker's
     two releases failed on the full disk, it was killed 1.6 s later, and both its leases were
     recorded ``disconnected``)."""
-    until = section.end if section.released is None else section.released
+    until = _acknowledged_at(section)
     restarted = any(r["t"] <= until and r.get("t_end", r["t"]) >= section.start for r in restarts)
     failed = section.release == "error"
     return not (section.killed or section.token in cut or restarted or failed)

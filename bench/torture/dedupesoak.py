@@ -86,11 +86,17 @@ from pathlib import Path
 from typing import Any
 
 from .common import stop_worker
-from .servers import PooledPostgresServer, PostgresServer, RedisServer, Store, make_store
+from .servers import (
+    STORES,
+    PooledPostgresServer,
+    PostgresServer,
+    RedisServer,
+    Store,
+    make_store,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BROKER_DB = 7
-STORES = ("redis", "postgres", "file", "pgbouncer", "redis-cluster", "s3", "gcs")
 #: How each store restarts, losing nothing it acknowledged (but a failover: what the dying
 #: primary had not passed to its replica); the file store and the object stores do not.
 STORE_RESTART = {

@@ -400,6 +400,10 @@ class ObjectStoreServer(Store):
         super().stop()
 
 
+#: Every store a run can use, by the name ``make_store`` takes.
+STORES = ("file", "postgres", "pgbouncer", "redis", "redis-cluster", "s3", "gcs")
+
+
 def make_store(
     name: str, restart_delay: float, full_disk: bool = False, seconds: float = 0.0
 ) -> Store:
