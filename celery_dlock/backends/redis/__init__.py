@@ -18,6 +18,10 @@ Options
     ``buckets`` (default 1): hash slots the namespace is spread over (Redis Cluster).
     ``retries`` (default 2): retries of a command whose connection failed, after 50 ms,
     100 ms...; each script is safe to run twice.
+    ``replicas`` (default 0): a release, a record and a kept or forgotten ``once`` success
+    count once this many replicas have them (``WAIT``, within ``replicas_timeout``
+    seconds, default 1): a failover then cannot bring back a lease released or lose a
+    success (:mod:`celery_dlock.backends.redis.replicas`).
     ``socket_timeout``, ``socket_connect_timeout`` (seconds, default 5), ``db`` (for
     ``unix://``), and for ``rediss://``: ``ssl_ca_certs``, ``ssl_certfile``,
     ``ssl_keyfile``, ``ssl_cert_reqs`` (``none``/``optional``/``required``),
@@ -110,6 +114,7 @@ from celery_dlock.backends.redis.fields import (
 from celery_dlock.backends.redis.history import ms_floor
 from celery_dlock.backends.redis.history_scripts import ADD, FORGET, PRUNE, REMEMBER
 from celery_dlock.backends.redis.layout import Layout
+from celery_dlock.backends.redis.replicas import Replicas
 from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import ACQUIRE, DUE, EXPIRE, PEEK, PROBE, RELEASE, RENEW
 from celery_dlock.backends.redis.url import parse_url
@@ -153,6 +158,8 @@ class RedisBackend(LockBackend):
         restart_delay: float = 30.0,
         ttl: float = DEFAULT_TTL,
         retries: int = 2,
+        replicas: int = 0,
+        replicas_timeout: float = 1.0,
         url: str = "redis://localhost:6379/0",
     ) -> None:
         for option, value in (("success_ttl", success_ttl), ("gc_after", gc_after), ("ttl", ttl)):
@@ -188,6 +195,8 @@ class RedisBackend(LockBackend):
             slack=self._client.slack,
             default_ttl=self.default_ttl,
         )
+        slack = self._client.slack
+        self._replicas = None if replicas == 0 else Replicas(replicas, replicas_timeout, slack)
         self._async: AsyncRedis | None = None
         self._async_made = threading.Lock()  # two loops' threads may ask at once
 
@@ -264,6 +273,7 @@ class RedisBackend(LockBackend):
         reply = self._client.run(
             RELEASE, count, tail, operation="release", key=lease.key, again=again
         )
+        self._confirm(lease.key, "release")
         return self.calls.released(
             reply, lease, outcome=outcome, problem=problem, details=details, result=result
         )
@@ -278,11 +288,13 @@ class RedisBackend(LockBackend):
         first_id = max(0, ms_floor(record.released_at) + 2)
         args = [self.calls.common[0], first_id, result_ms, *record_fields(record)]
         self._client.eval(ADD, keys, args, operation="add_record", key=record.key)
+        self._confirm(record.key, "add_record")
 
     def remember(self, record: Record) -> bool:
         result_key = self._layout.result(record.key, success_task(record))
         args = [self.calls.success_ms, *record_fields(record)]
         kept = self._client.eval(REMEMBER, [result_key], args, operation="remember", key=record.key)
+        self._confirm(record.key, "remember")
         return bool(kept)
 
     def renew(self, lease: Lease, ttl: float | None) -> Lease | None:
@@ -345,7 +357,19 @@ class RedisBackend(LockBackend):
         # success gone and its own nonce, not a forget by someone else (the client retries).
         keys = [result_key, self._layout.forget_mark(key, task_name)]
         args = [token, new_token(), FORGET_MARK_MS]
-        return bool(self._client.eval(FORGET, keys, args, operation="forget", key=key))
+        forgotten = self._client.eval(FORGET, keys, args, operation="forget", key=key)
+        self._confirm(key, "forget")
+        return bool(forgotten)
+
+    def _confirm(self, key: str, operation: str) -> None:
+        """With ``replicas``: return once that many replicas have what was written in
+        ``key``'s slot so far (see :mod:`celery_dlock.backends.redis.replicas`).
+
+        Raises:
+            BackendError: fewer acknowledged it in time, or the store failed.
+        """
+        if self._replicas is not None:
+            self._replicas.confirm(self._client, self._layout.synced(key), operation, key)
 
     def reap(self, limit: int = 100) -> list[Record]:
         """Records ``expired`` the leases that Redis expired, found through the index (by
@@ -417,8 +441,9 @@ class RedisBackend(LockBackend):
 
     def async_store(self) -> AsyncRedis | None:
         """The asyncio client of this backend: the same scripts on redis-py's asyncio
-        connections (one set per event loop); None for a cluster (the pool then)."""
-        if self._client.cluster:
+        connections (one set per event loop); None for a cluster, and with ``replicas``
+        (the pool then)."""
+        if self._client.cluster or self._replicas is not None:
             return None
         with self._async_made:
             if self._async is None:

@@ -17,7 +17,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -57,6 +57,8 @@ def _raw_readable() -> bool:
 
 _RAW = _raw_readable()
 
+T = TypeVar("T")
+
 #: Failures after which a command may or may not have run: retried, then read back.
 AMBIGUOUS = (RedisConnectionError, RedisTimeoutError)
 #: Acquires whose outcome is unknown, kept per process until Redis answers again.
@@ -85,6 +87,8 @@ class Wire(Protocol):
     def call(self, *args: Any, timeout: float | None = None) -> Any: ...
 
     def send_all(self, commands: list[bytes]) -> list[Any]: ...
+
+    def send_all_at(self, key: bytes, commands: list[bytes]) -> list[Any]: ...
 
     def close(self) -> None: ...
 
@@ -173,6 +177,10 @@ class Connections:
             raise
         finally:
             self._idle.append(connection)
+
+    def send_all_at(self, key: bytes, commands: list[bytes]) -> list[Any]:
+        """``send_all`` on one connection (a cluster's: to the primary of ``key``'s slot)."""
+        return self.send_all(commands)
 
     def close(self) -> None:
         for connection in list(self._all):
@@ -365,49 +373,53 @@ class Client:
         ``NOSCRIPT`` (its first call then sent by its source) or a failed connection runs
         again."""
         local = self._local.get()
+        packed = [b"*%d\r\n%b%b" % (c + 2, script.by_sha, t) for c, t in calls]
+        replies = self._retried(lambda: local.send_all(packed), operation, key)
+        failed = next((r for r in replies if isinstance(r, ResponseError)), None)
+        if isinstance(failed, NoScriptError):
+            # Not loaded where the batch runs (a flushed cache, a new node): the first
+            # call by its source loads it there, then the rest of the batch by its SHA.
+            count, tail = calls[0]
+            first = local.send(script.by_source + tail, count + 2)
+            if not calls[1:]:
+                return [first]
+            return [first, *self.run_all(script, calls[1:], operation=operation, key=key)]
+        if failed is not None:
+            raise self.error(operation, key, failed)
+        return replies
+
+    def command(self, operation: str, *args: Any) -> Any:
+        """A plain, idempotent command, with the same retries and errors as ``run``."""
+        call = self._local.get().call
+        return self._retried(lambda: call(*args), operation, None)
+
+    def pipeline_at(
+        self, slot_key: bytes, commands: list[bytes], operation: str, key: str
+    ) -> list[Any]:
+        """The replies of packed ``commands``, sent together on one connection to the node
+        of ``slot_key`` (safe to send twice: retried as ``command``); an error reply is
+        raised as the ``BackendError`` of ``operation`` on ``key``."""
+        wire = self._local.get()
+        replies = self._retried(lambda: wire.send_all_at(slot_key, commands), operation, key)
+        failed = next((r for r in replies if isinstance(r, ResponseError)), None)
+        if failed is not None:
+            raise self.error(operation, key, failed)
+        return replies
+
+    def _retried(self, send: Callable[[], T], operation: str, key: str | None) -> T:
+        """``send()``, sent again after a failed connection (``retries`` times, with
+        ``backoff``); a failure is the ``BackendError`` of ``operation`` on ``key``."""
         attempt = 0
         while True:
             try:
-                packed = [b"*%d\r\n%b%b" % (c + 2, script.by_sha, t) for c, t in calls]
-                replies = local.send_all(packed)
+                return send()
             except AMBIGUOUS as exc:
                 if attempt >= self.retries:
                     raise self.error(operation, key, exc) from exc
                 attempt += 1
                 time.sleep(backoff(attempt))
-                continue
             except RedisError as exc:
                 raise self.error(operation, key, exc) from exc
-            failed = next((r for r in replies if isinstance(r, ResponseError)), None)
-            if isinstance(failed, NoScriptError):
-                # Not loaded where the batch runs (a flushed cache, a new node): the first
-                # call by its source loads it there, then the rest of the batch by its SHA.
-                count, tail = calls[0]
-                first = local.send(script.by_source + tail, count + 2)
-                rest = (
-                    self.run_all(script, calls[1:], operation=operation, key=key)
-                    if calls[1:]
-                    else []
-                )
-                return [first, *rest]
-            if failed is not None:
-                raise self.error(operation, key, failed)
-            return replies
-
-    def command(self, operation: str, *args: Any) -> Any:
-        """A plain, idempotent command, with the same retries and errors as ``run``."""
-        call = self._local.get().call
-        attempt = 0
-        while True:
-            try:
-                return call(*args)
-            except AMBIGUOUS as exc:
-                if attempt >= self.retries:
-                    raise self.error(operation, None, exc) from exc
-                attempt += 1
-                time.sleep(backoff(attempt))
-            except RedisError as exc:
-                raise self.error(operation, None, exc) from exc
 
     def blpop(self, signals: Sequence[bytes], timeout: float, key: str) -> bool:
         """Block on ``signals`` (lists of one hash slot) for up to ``timeout`` seconds,

@@ -34,6 +34,7 @@ __all__ = ["ClusterConnections"]
 _HOPS = 8
 #: Pause before trying again while the cluster is down or a slot is being moved.
 _SETTLING = 0.1
+_ASKING = b"*1\r\n$6\r\nASKING\r\n"
 _KEYLESS = frozenset({b"TIME", b"INFO", b"SCRIPT", b"PING"})
 
 Node = tuple[str, int]
@@ -139,9 +140,8 @@ class ClusterConnections:
         """``command`` once on the node an ``ASK`` named, after ``ASKING``. Its reply comes
         back through ``send_all``, which returns errors: raise them here, so a ``NOSCRIPT``
         (the script not loaded on that node yet) or a ``TRYAGAIN`` reaches its handler."""
-        asking = b"*1\r\n$6\r\nASKING\r\n"
         target = self._node((ask.host, int(ask.port)))
-        reply = target.send_all([asking, command])[1]
+        reply = target.send_all([_ASKING, command])[1]
         if isinstance(reply, ResponseError):
             raise reply
         return reply
@@ -174,6 +174,33 @@ class ClusterConnections:
                 except ResponseError as exc:
                     replies[at] = exc
         return replies
+
+    def send_all_at(self, key: bytes, commands: list[bytes]) -> list[Any]:
+        """``commands`` on one connection to the primary of ``key``'s slot, where every
+        one of them runs (a ``WAIT`` after a write must reach that write's node): a
+        ``MOVED`` first reply sends them all again to the node named, an ``ASK`` one after
+        ``ASKING``; as in ``send_all``, an error reply is returned, not raised."""
+        if not self._slots:
+            self.refresh()
+        node = self._slots[key_slot(key)]
+        for hop in range(_HOPS):
+            try:
+                replies = self._node(node).send_all(commands)
+            except (RedisConnectionError, RedisTimeoutError):
+                self._slots = []  # a primary failed: a replica may take its slots
+                raise
+            first = replies[0]
+            if isinstance(first, MovedError):
+                self.refresh()
+                node = (first.host, int(first.port))
+            elif isinstance(first, AskError):
+                target = self._node((first.host, int(first.port)))
+                return target.send_all([_ASKING, *commands])[1:]
+            elif isinstance(first, ClusterDownError | TryAgainError) and hop < _HOPS - 1:
+                time.sleep(_SETTLING)
+            else:
+                return replies
+        raise ClusterDownError(f"gave up after {_HOPS} redirections")
 
     def close(self) -> None:
         for connections in self._nodes.values():

@@ -12,6 +12,7 @@ namespace is split into buckets), and the lock key comes last, verbatim::
     {dlock}:epoch  {dlock}:quarantine    notice that Redis lost its data
     {dlock}:server                   the LASTSAVE and run_id of the server last seen
     {dlock}:layout                   ``buckets=N``: how the namespace is split (below)
+    {dlock}:synced                   written before a ``WAIT`` (``replicas=N``; see replicas.py)
 
 Redis Cluster hashes only what is between the first ``{`` and the next ``}``. The prefix
 may not hold braces, so the tag is always ours whatever the lock key holds (braces,
@@ -186,6 +187,10 @@ class Layout:
         result's slot (its hash tag), its name after ``forgotten:``."""
         tag = self._tags[self.bucket(key)]
         return tag + b"forgotten:" + self.result(key, task_name)[len(tag) + len(b"success:") :]
+
+    def synced(self, key: str) -> bytes:
+        """The key written in ``key``'s slot before a ``WAIT`` for replicas."""
+        return self._tags[self.bucket(key)] + b"synced"
 
     def index(self, bucket: int) -> bytes:
         return self._tags[bucket] + b"index"

@@ -33,6 +33,8 @@ _KNOWN: dict[str, Callable[[str], Any]] = {
     "restart_delay": float,
     "ttl": float,
     "retries": int,
+    "replicas": int,
+    "replicas_timeout": float,
     "socket_timeout": float,
     "socket_connect_timeout": float,
     "db": int,
