@@ -31,7 +31,8 @@ as a worker took it), and reports each one that is not, by cause:
   the message had started within ``FAILOVER_WINDOW`` of a failover's start, and its mark
   ran out (``expired``) instead of ending ``dequeued``: the dying primary acknowledged the
   release, its replica never had it, and calls are coalesced into the started message until
-  the mark's ``dedupe_ttl`` ends. (``until_finished``: its run had ended then.)
+  the mark's ``dedupe_ttl`` ends. (``until_finished``: its run had ended then.) With
+  ``--store-options replicas=1`` (a release counts once the replica has it) there are none.
 - **never ran, sent** (a violation): the message was sent (its producer was told so) but no
   worker started it.
 - **never ran, sent before a broker restart, its mark expired** (reported): the broker
@@ -164,9 +165,12 @@ class DedupeSoak:
     def store_url(self) -> str:
         """The lock store's URL; through a pooler, leases alive by their ttl (the URL's
         ``ttl`` for the body locks, the marks' own ``--ttl``)."""
+        url = self.store.url()
         if isinstance(self.store, PooledPostgresServer):
-            return f"{self.store.url()}?liveness=ttl&ttl=10"
-        return self.store.url()
+            url = f"{url}?liveness=ttl&ttl=10"
+        if self.o.store_options:
+            url += ("&" if "?" in url else "?") + self.o.store_options
+        return url
 
     def start_worker(self) -> None:
         args = [
@@ -533,6 +537,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--acks", choices=("late", "early"), default="late",
                         help="acks_late (late), or Celery's default (early)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--store-options", default="",
+                        help="more options of the store's URL (replicas=1, say)")  # fmt: skip
     parser.add_argument("--keep", default=None, help="copy the logs to this directory")
     return DedupeSoak(parser.parse_args(argv)).run()
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +17,9 @@ import pytest
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome, Record
 from celery_dlock.backends.redis import RedisBackend
-from tests.support import eventually, unavailable
-from tests.support.objectstore_servers import free_port
+from tests.support import eventually
 from tests.support.redis_cluster import Cluster, start_cluster
+from tests.support.redis_pair import Pair
 
 pytest.importorskip("redis")
 
@@ -40,55 +38,6 @@ def test_the_url_options_are_checked() -> None:
         RedisBackend.from_url("redis://127.0.0.1:1/0?replicas=1&replicas_timeout=5")
     with pytest.raises(ConfigurationError, match=r"replicas_timeout .* not 0.0"):
         RedisBackend.from_url("redis+cluster://127.0.0.1:1?replicas=1&replicas_timeout=0")
-
-
-class Pair:
-    """A private primary and its replica."""
-
-    def __init__(self, folder: Path) -> None:
-        if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-            unavailable("redis-server is not installed (apt-get install redis-server)")
-        self.primary, self.replica = free_port(), free_port()
-        self.processes = [
-            self._spawn(folder, self.primary),
-            self._spawn(folder, self.replica, "--replicaof", "127.0.0.1", str(self.primary)),
-        ]
-        eventually(lambda: "master_link_status:up" in self.cli("INFO", "replication"), "sync")
-
-    @staticmethod
-    def _spawn(folder: Path, port: int, *more: str) -> subprocess.Popen[bytes]:
-        node = folder / str(port)
-        node.mkdir()
-        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node)]
-        args += ["--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0", *more]
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-        eventually(lambda: Pair.ping(port), f"redis-server on {port} answers")
-        return process
-
-    @staticmethod
-    def ping(port: int) -> bool:
-        done = subprocess.run(
-            ["redis-cli", "-p", str(port), "PING"], capture_output=True, check=False
-        )
-        return done.stdout.strip() == b"PONG"
-
-    def cli(self, *args: str | bytes) -> str:
-        """A command on the replica (reads only)."""
-        done = subprocess.run(
-            ["redis-cli", "-p", str(self.replica), *args],
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
-        return done.stdout.decode()
-
-    def url(self, options: str) -> str:
-        return f"redis://127.0.0.1:{self.primary}/0?restart_delay=0&{options}"
-
-    def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait(10)
 
 
 @pytest.fixture

@@ -270,10 +270,14 @@ class RedisBackend(LockBackend):
     ) -> Record | None:
         outcome = outcome if type(outcome) is Outcome else Outcome(outcome)
         count, tail, again = self.calls.release_call(lease, outcome, problem, details, result)
-        reply = self._client.run(
-            RELEASE, count, tail, operation="release", key=lease.key, again=again
-        )
-        self._confirm(lease.key, "release")
+        if self._replicas is None:
+            reply = self._client.run(
+                RELEASE, count, tail, operation="release", key=lease.key, again=again
+            )
+        else:
+            synced = self._layout.synced(lease.key)
+            parts = (count, tail, again)
+            reply = self._replicas.run(self._client, synced, RELEASE, parts, lease.key)
         return self.calls.released(
             reply, lease, outcome=outcome, problem=problem, details=details, result=result
         )

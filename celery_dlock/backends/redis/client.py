@@ -374,7 +374,7 @@ class Client:
         again."""
         local = self._local.get()
         packed = [b"*%d\r\n%b%b" % (c + 2, script.by_sha, t) for c, t in calls]
-        replies = self._retried(lambda: local.send_all(packed), operation, key)
+        replies = self.retried(lambda: local.send_all(packed), operation, key)
         failed = next((r for r in replies if isinstance(r, ResponseError)), None)
         if isinstance(failed, NoScriptError):
             # Not loaded where the batch runs (a flushed cache, a new node): the first
@@ -391,7 +391,7 @@ class Client:
     def command(self, operation: str, *args: Any) -> Any:
         """A plain, idempotent command, with the same retries and errors as ``run``."""
         call = self._local.get().call
-        return self._retried(lambda: call(*args), operation, None)
+        return self.retried(lambda: call(*args), operation, None)
 
     def pipeline_at(
         self, slot_key: bytes, commands: list[bytes], operation: str, key: str
@@ -400,13 +400,13 @@ class Client:
         of ``slot_key`` (safe to send twice: retried as ``command``); an error reply is
         raised as the ``BackendError`` of ``operation`` on ``key``."""
         wire = self._local.get()
-        replies = self._retried(lambda: wire.send_all_at(slot_key, commands), operation, key)
+        replies = self.retried(lambda: wire.send_all_at(slot_key, commands), operation, key)
         failed = next((r for r in replies if isinstance(r, ResponseError)), None)
         if failed is not None:
             raise self.error(operation, key, failed)
         return replies
 
-    def _retried(self, send: Callable[[], T], operation: str, key: str | None) -> T:
+    def retried(self, send: Callable[[], T], operation: str, key: str | None) -> T:
         """``send()``, sent again after a failed connection (``retries`` times, with
         ``backoff``); a failure is the ``BackendError`` of ``operation`` on ``key``."""
         attempt = 0

@@ -11,7 +11,8 @@ message that has already run, until ``dedupe_ttl`` ends.
 With ``replicas=N``, each call that ends a lease or keeps or forgets a success
 (``release``, ``add_record``, ``remember``, ``forget_success``) is followed, on the
 primary of its hash slot, by a write of its bucket's ``synced`` key and ``WAIT N
-<replicas_timeout>``, pipelined: one more round trip. The write is what makes the ``WAIT``
+<replicas_timeout>``: pipelined with a release (one round trip for the three), in one more
+round trip after the others. The write is what makes the ``WAIT``
 cover the call before it, whatever connection carried that call: ``WAIT`` waits for the
 replication offset of its own connection's last write, and a call that wrote nothing (a
 release tried again after its first try landed, which finds the lease gone) would
@@ -27,8 +28,14 @@ down for long stops what ends leases on its primary: off by default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
 from celery_dlock.backends.redis.client import Client
 from celery_dlock.backends.redis.resp import bulks
+from celery_dlock.backends.redis.scripts import Script
 from celery_dlock.errors import BackendError, ConfigurationError
 
 __all__ = ["Replicas"]
@@ -68,6 +75,62 @@ class Replicas:
         """
         write = b"*5\r\n" + bulks([b"SET", synced, b"1", b"PX", _SYNCED_MS])
         _, acknowledged = client.pipeline_at(synced, [write, self._wait], operation, key)
+        self._judge(acknowledged, client, operation, key)
+
+    def run(
+        self,
+        client: Client,
+        synced: bytes,
+        script: Script,
+        parts: tuple[int, bytes, Callable[[], bytes]],
+        key: str,
+    ) -> Any:
+        """The reply of ``script`` (a ``RELEASE``: ``parts`` are its count, tail and the tail
+        of a try again, as ``Client.run`` takes them), run with a ``WAIT`` pipelined on one
+        connection: one round trip. A first try that released the lease wrote on that
+        connection, which the ``WAIT`` then covers; one that found the lease gone wrote
+        nothing, and a try again may follow a first that landed on another connection:
+        those are confirmed by :meth:`confirm`'s write and ``WAIT`` (pipelined with a try
+        again; apart after a first try). A ``NOSCRIPT`` (the script not loaded on that
+        node) runs it by its source, then confirms apart.
+
+        Raises:
+            BackendError: fewer replicas acknowledged within the timeout, or the store
+                failed.
+        """
+        count, tail, again = parts
+        write = b"*5\r\n" + bulks([b"SET", synced, b"1", b"PX", _SYNCED_MS])
+        wire = client.connections()
+        tries = 0
+
+        def send() -> list[Any]:
+            nonlocal tail, tries
+            if tries:  # a try again tells the script it may be a repeat
+                tail = again()
+            tries += 1
+            command = b"*%d\r\n%b%b" % (count + 2, script.by_sha, tail)
+            confirming = [self._wait] if tries == 1 else [write, self._wait]
+            return wire.send_all_at(synced, [command, *confirming])
+
+        replies = client.retried(send, "release", key)
+        reply, acknowledged = replies[0], replies[-1]
+        if isinstance(reply, NoScriptError):
+            reply = client.run(
+                script, count, tail, operation="release", key=key, again=again, wire=wire
+            )
+            self.confirm(client, synced, "release", key)
+            return reply
+        failed = next((r for r in replies if isinstance(r, ResponseError)), None)
+        if failed is not None:
+            raise client.error("release", key, failed)
+        if reply == 0 and len(replies) == 2:  # nothing written before that WAIT
+            self.confirm(client, synced, "release", key)
+        else:
+            self._judge(acknowledged, client, "release", key)
+        return reply
+
+    def _judge(self, acknowledged: int, client: Client, operation: str, key: str) -> None:
+        """Raise unless ``acknowledged`` (a ``WAIT``'s reply) reaches ``count``."""
         if acknowledged < self.count:
             raise BackendError(
                 f"redis {operation} of {key!r} is done on the primary, but {acknowledged} of "
