@@ -1002,8 +1002,10 @@ def test_server_time_and_diagnose(backend: RedisBackend) -> None:
         "role",
         "cluster mode",
         "scripts",
+        "replicas",
     }
     assert checks["redis version"].ok and checks["scripts"].ok
+    assert checks["replicas"].ok  # replicas=0 waits for none
 
 
 def free_port() -> int:

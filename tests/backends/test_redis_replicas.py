@@ -184,3 +184,15 @@ def test_a_kept_or_forgotten_success_and_a_record_wait_for_the_replica_too(pair:
         os.kill(replica.pid, signal.SIGCONT)
     assert backend.last_success(key, "shop.charge") is None  # forgotten on the primary
     backend.close()
+
+
+def test_the_doctor_counts_the_replicas_that_replicas_waits_for(pair: Pair) -> None:
+    found = {}
+    for wanted in (0, 1, 2):
+        backend = RedisBackend.from_url(pair.url(f"replicas={wanted}"))
+        found[wanted] = {check.name: check for check in backend.diagnose()}["replicas"]
+        backend.close()
+    assert found[0].ok and "1 connected; replicas=0" in found[0].detail
+    assert "replicas=1 waits for them" in found[0].detail
+    assert found[1].ok and "this primary has 1 connected" in found[1].detail
+    assert not found[2].ok and "every release fails until enough are back" in found[2].detail

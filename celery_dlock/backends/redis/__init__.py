@@ -467,7 +467,8 @@ class RedisBackend(LockBackend):
             info.update(line.split(":", 1) for line in text.splitlines() if ":" in line)
         names = self._layout.names("dlock:doctor")
         self._client.eval(PEEK, names[:2], [], operation="diagnose")
-        return checks(info, cluster_client=self._client.cluster)
+        wanted = 0 if self._replicas is None else self._replicas.count
+        return checks(info, cluster_client=self._client.cluster, replicas=wanted)
 
     def close(self) -> None:
         """Close this process's connections (the asyncio client's by a task of each loop)."""

@@ -7,8 +7,9 @@ from celery_dlock.backends.base import Check
 __all__ = ["checks"]
 
 
-def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
-    """The doctor's findings from ``INFO``; scripts ran if we got this far."""
+def checks(info: dict[str, str], cluster_client: bool = False, replicas: int = 0) -> list[Check]:
+    """The doctor's findings from ``INFO``; scripts ran if we got this far. ``replicas``:
+    the store's ``replicas`` option."""
     version = info.get("redis_version", "?")
     major = int(version.split(".")[0]) if version[:1].isdigit() else 0
     policy = info.get("maxmemory_policy", "?")
@@ -49,4 +50,28 @@ def checks(info: dict[str, str], cluster_client: bool = False) -> list[Check]:
             else "off",
         ),
         Check("scripts", True, "EVALSHA runs (Lua scripting is allowed)"),
+        _replicas(info, replicas),
     ]
+
+
+def _replicas(info: dict[str, str], wanted: int) -> Check:
+    """Whether the primary has the replicas that ``replicas=N`` waits for, or what a
+    failover may undo without it."""
+    text = info.get("connected_slaves", "0")
+    connected = int(text) if text.isdigit() else 0
+    if wanted:
+        return Check(
+            "replicas",
+            connected >= wanted,
+            f"replicas={wanted}: releases wait for {wanted}; this primary has {connected} "
+            "connected"
+            + ("" if connected >= wanted else ": every release fails until enough are back"),
+        )
+    detail = f"{connected} connected; replicas=0: a release counts once the primary has it"
+    if connected:
+        detail += (
+            ", and a failover to a replica that lacks it brings the lease back (a dedupe "
+            f"mark until its dedupe_ttl) or forgets a once success: replicas={connected} "
+            "waits for them"
+        )
+    return Check("replicas", True, detail)
