@@ -96,12 +96,12 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
     parser.add_argument(
         "--cut-off", type=int, default=2, help="workers in the namespace partitions cut (2)"
     )
-    parser.add_argument(
-        "--cut-off-options",
-        default="",
-        help="URL options of the cut-off workers, e.g. Postgres keepalives: "
+    for flag, text in {
+        "--cut-off-options": "URL options of the cut-off workers, e.g. Postgres keepalives: "
         "keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=3000",
-    )
+        "--store-options": "more URL options of the store (replicas=1, say)",
+    }.items():
+        parser.add_argument(flag, default="", help=text)
     parser.add_argument("--ttl", type=float, help="lease ttl (3 s; 1 s for s3 and gcs)")
     parser.add_argument("--wait", type=float, help="Lock wait (2 s; 1 s for s3 and gcs)")
     parser.add_argument(
@@ -168,7 +168,8 @@ def parse(argv: list[str]) -> tuple[list[Settings], argparse.Namespace]:
             seed=options.seed, keep=options.keep, cut_off=options.cut_off,
             at_least=options.at_least, limit=options.limit, together=options.together,
             asyncio=options.asyncio, hand_over=options.hand_over,
-            cut_off_options=options.cut_off_options, diskfulls=fulls if store == "file" else 0,
+            cut_off_options=options.cut_off_options, store_options=options.store_options,
+            diskfulls=fulls if store == "file" else 0,
             **{**common, **own.get(store, {})},  # type: ignore[arg-type]
         )
         for store in stores

@@ -50,6 +50,8 @@ class Settings:
     #: URL options of the cut-off workers (Postgres: their keepalives), e.g.
     #: ``keepalives_idle=1&keepalives_interval=1&keepalives_count=2&tcp_user_timeout=3000``.
     cut_off_options: str = ""
+    #: More URL options of the store for every worker (``replicas=1``, say).
+    store_options: str = ""
     ttl: float = 3.0
     wait: float = 2.0
     hold: float = 0.003
@@ -84,20 +86,22 @@ def _ledger_spec(settings: Settings, directory: Path, run_id: str) -> str:
     raise ValueError(f"ledger must be file or postgres, not {kind!r}")
 
 
-def _store_url(store: Store, host: str = "127.0.0.1", migrate: bool = True) -> str:
-    """The store's URL through ``host``; a Postgres store's tables made first (``migrate``),
-    on the cluster itself (DDL does not go through a pooler)."""
+def _store_url(
+    store: Store, host: str = "127.0.0.1", migrate: bool = True, options: str = ""
+) -> str:
+    """The store's URL through ``host``, with ``options`` added; a Postgres store's tables
+    made first (``migrate``), on the cluster itself (DDL does not go through a pooler)."""
     url = store.url(host)
     if isinstance(store, PooledPostgresServer):
         if migrate:
             _migrate(store.direct_url())
-        return url + "?liveness=ttl&ttl=3"  # the workers give their own ttl to every Lock
-    if store.name == "postgres":
+        url += "?liveness=ttl&ttl=3"  # the workers give their own ttl to every Lock
+    elif store.name == "postgres":
         # Few waiter connections per process: 16 workers x 9 would crowd a small server.
         url += "?max_waiters=2"
         if migrate:
             _migrate(url)
-    return url
+    return url + ("&" if "?" in url else "?") + options if options else url
 
 
 def _migrate(url: str) -> None:
@@ -137,7 +141,7 @@ def _cutoff(settings: Settings, store: Store, job: Job, network: Network | None)
     ttl on Postgres (its session's liveness alone, so the keepalives free the lease)."""
     if network is None:
         return None
-    url = _store_url(store, network.host, migrate=False)
+    url = _store_url(store, network.host, migrate=False, options=settings.store_options)
     if settings.cut_off_options:
         url += ("&" if "?" in url else "?") + settings.cut_off_options
     ttl = None if store.name == "postgres" else job.ttl
@@ -229,7 +233,7 @@ def torture(settings: Settings) -> Report:
             network.start()
             store.reach(network.host, network.subnet)
         store.start()
-        url = _store_url(store)
+        url = _store_url(store, options=settings.store_options)
         prefix = f"torture:{run_id}:"
         keys = [f"{prefix}{n}" for n in range(settings.keys)]
         spec = _ledger_spec(settings, directory, run_id)
