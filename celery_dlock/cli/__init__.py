@@ -36,6 +36,7 @@ from celery_dlock.cli.doctor import doctor
 from celery_dlock.cli.env import Env, Target, UsageFailure
 from celery_dlock.cli.forget import forget
 from celery_dlock.cli.janitor import migrate, reap
+from celery_dlock.cli.marks import marks
 from celery_dlock.cli.run import run
 from celery_dlock.cli.serve import serve
 from celery_dlock.cli.timeline import timeline
@@ -135,6 +136,6 @@ def main(ctx: click.Context, /, backend_url: str | None, namespace: str) -> None
     ctx.obj = Env(resolve)
 
 
-for _command in (*COMMANDS, forget, reap, migrate, doctor, run, timeline, serve):
+for _command in (*COMMANDS, marks, forget, reap, migrate, doctor, run, timeline, serve):
     dlock.add_command(_command)
     main.add_command(_command)

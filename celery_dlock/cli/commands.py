@@ -37,7 +37,10 @@ from celery_dlock.cli.render import (
 from celery_dlock.keys import validate_key
 from celery_dlock.records import Lease, Outcome, Record
 
-__all__ = ["COMMANDS", "JSON", "PROBLEM_OUTCOMES", "confirmed", "operator", "store_now"]
+__all__ = [
+    "COMMANDS", "JSON", "PROBLEM_OUTCOMES", "RECENT", "confirmed", "operator", "records_of",
+    "slot_of", "store_now",
+]  # fmt: skip
 
 #: ``--json`` on every command.
 JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
@@ -54,7 +57,7 @@ def _key_hint(env: Env, key: str, *, history: bool = False) -> str:
     the slot), or lacks the namespace and the full key has a lease (or, for ``history``,
     records)."""
     held = [] if history else env.backend.leases(f"{key}#")
-    slots = [lease.key for lease in held if _slot_of(lease.key, key)]
+    slots = [lease.key for lease in held if slot_of(lease.key, key)]
     if slots:
         return (
             f" (a key with a limit: its slots {', '.join(slots)} are held, each by its own lease)"
@@ -80,7 +83,7 @@ def _prefix_hint(env: Env, key: str) -> str:
     )
 
 
-def _slot_of(slot: str, key: str) -> bool:
+def slot_of(slot: str, key: str) -> bool:
     """Whether ``slot`` is one of ``key``'s slots (``key#0``, ``key#1``, ...)."""
     return slot.startswith(f"{key}#") and slot[len(key) + 1 :].isdigit()
 
@@ -179,8 +182,8 @@ def _slots_in_use(backend: LockBackend, key: str, *, plain: bool) -> list[str]:
     one slot at a time (the stores filter history by exact key only; an indexed lookup on
     Postgres); none for a ``plain`` key (it has runs of its own) without a slot held or
     seen."""
-    held = {lease.key for lease in backend.leases(f"{key}#") if _slot_of(lease.key, key)}
-    seen = {record.key for record in backend.history(limit=RECENT) if _slot_of(record.key, key)}
+    held = {lease.key for lease in backend.leases(f"{key}#") if slot_of(lease.key, key)}
+    seen = {record.key for record in backend.history(limit=RECENT) if slot_of(record.key, key)}
     if plain and not held and not seen:
         return []
     last = max((int(slot[len(key) + 1 :]) for slot in held | seen), default=-1)
@@ -195,7 +198,7 @@ def _slots_in_use(backend: LockBackend, key: str, *, plain: bool) -> list[str]:
     return found
 
 
-def _records_of(
+def records_of(
     backend: LockBackend,
     key: str | None,
     query: Callable[..., list[Record]],
@@ -262,7 +265,7 @@ def history(
     query = functools.partial(
         query_history, env.backend, outcome=kind, problems=problems, since=since, limit=limit
     )
-    records, slots = _records_of(env.backend, key, query, limit=limit)
+    records, slots = records_of(env.backend, key, query, limit=limit)
     if as_json:
         found = [record_json(record) for record in records]
         env.emit_json({"backend": env.url, "records": found, "slots": slots})

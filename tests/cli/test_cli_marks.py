@@ -1,0 +1,76 @@
+"""``marks``: the dedupe marks held now, and whether their message has run; ``--release-ran``
+releases the marks a store brought back after losing their release (held for a message that
+ran: every call of its key coalesced into it until its ``dedupe_ttl`` ends), and no other."""
+
+from __future__ import annotations
+
+import json
+
+from celery_dlock import Holder, Outcome
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.celery.dedupe import mark_key
+from celery_dlock.records import Lease
+from tests.cli.clitools import CliStore, run_cli
+
+TASK = "shop.sync"
+
+
+def _mark(backend: LockBackend, lock_key: str, task_id: str) -> Lease:
+    """A mark of ``task_id`` on ``lock_key``, handed over to its message."""
+    holder = Holder.current(task_id=task_id, task_name=TASK)
+    lease = backend.try_acquire(mark_key(lock_key, TASK), holder, 60)
+    assert lease is not None
+    handed = backend.hand_over(lease, 3600)
+    assert handed is not None
+    return handed
+
+
+def _body(backend: LockBackend, key: str, task_id: str, outcome: Outcome | None) -> Lease:
+    """A body lease of ``task_id`` on ``key``: released as ``outcome``, or held (None)."""
+    lease = backend.try_acquire(key, Holder.current(task_id=task_id, task_name=TASK), 60)
+    assert lease is not None
+    if outcome is not None:
+        assert backend.release(lease, outcome) is not None
+    return lease
+
+
+def test_marks_tells_a_mark_whose_message_ran_and_releases_only_those(store: CliStore) -> None:
+    backend = store.backend
+    marks = {n: _mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 7)}
+    _body(backend, "job:sync:1", "t1", Outcome.SUCCEEDED)  # ran
+    _body(backend, "job:sync:2", "t2", Outcome.RETRIED)  # goes on under its mark
+    running = _body(backend, "job:sync:3", "t3", None)  # runs now
+    # 4: no run of it seen (queued)
+    _body(backend, "job:sync:5", "t9", Outcome.SUCCEEDED)  # another task id's run
+    _body(backend, "job:sync:6#1", "t6", Outcome.FAILED)  # ran, on a slot of a lock_limit
+
+    shown = run_cli("--backend", store.url, "marks")
+    assert shown.returncode == 0, shown.stderr
+    states = {line.split()[0]: line for line in shown.stdout.splitlines()[1:]}
+    assert set(states) == {mark.key for mark in marks.values()}, shown.stdout
+    assert "ran: succeeded" in states[marks[1].key] and "ran: failed" in states[marks[6].key]
+    assert f"running (fence {running.fence})" in states[marks[3].key]
+    for n in (2, 4, 5):
+        assert states[marks[n].key].rstrip().endswith("queued"), states[marks[n].key]
+
+    declined = run_cli("--backend", store.url, "marks", "--release-ran", input="")
+    assert declined.returncode == 1, declined.stdout + declined.stderr
+    assert all(backend.get(mark.key) is not None for mark in marks.values())
+
+    done = run_cli("--backend", store.url, "marks", "--release-ran", "--force", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert sorted(r["key"] for r in report["released"]) == [marks[1].key, marks[6].key]
+    for n, mark in marks.items():
+        now = backend.get(mark.key)
+        if n in (1, 6):
+            assert now is None
+            (record,) = backend.history(key=mark.key)
+            assert record.outcome is Outcome.FORCED and record.lease.token == mark.token
+            assert record.details is not None and "marks --release-ran" in record.details
+        else:
+            assert now is not None and now.token == mark.token
+
+    again = run_cli("--backend", store.url, "marks", "--release-ran", "--force")
+    assert again.returncode == 0, again.stderr
+    assert "no mark under 'job:' is held for a message that has run" in again.stdout
