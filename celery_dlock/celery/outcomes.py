@@ -15,6 +15,7 @@ from celery_dlock.events import fields
 from celery_dlock.records import Outcome
 
 __all__ = [
+    "HANDED_ON",
     "REPLACED",
     "lineage",
     "outcome_of",
@@ -28,6 +29,9 @@ logger = logging.getLogger("celery_dlock.task")
 
 #: The field of a kept success whose run was handed to a replacement (``Task.replace``).
 REPLACED = "replaced"
+#: How the details of the body lease of a run that replaced itself begin: its task goes on
+#: under the same id (the ``marks`` command tells such a run from one that ended).
+HANDED_ON = "replaced by "
 
 
 def outcome_of(exc: BaseException) -> Outcome:
@@ -75,7 +79,7 @@ def replaced_by(request: Any) -> str | None:
     if sig is None:
         return None
     name = getattr(sig, "name", None) or type(sig).__name__
-    return f"replaced by {name}: its result comes under task id {request.id}"
+    return f"{HANDED_ON}{name}: its result comes under task id {request.id}"
 
 
 def replacement(request: Any) -> dict[str, Any]:

@@ -8,12 +8,14 @@ snapshot or from an AOF written every second does that, and so does a failover w
 ``replicas=N``. ``--release-ran`` releases such marks, each by its token, recorded
 ``forced``.
 
-A message has run when a body lease of its task id on the mark's lock key (or on a slot
-of it) ended in a way that ends the task: ``succeeded``, ``failed``, ``revoked`` or
-``skipped``. Not ``retried`` (the same task goes on under its mark), nor ``disconnected``,
-``expired``, ``lost`` or ``abandoned`` (its message may be delivered again). A mark whose
-task holds a body lease now is shown as running and left alone. Neither is looked for
-past the newest :data:`~celery_dlock.cli.commands.RECENT` records of each key.
+A message has run when the last body lease of its task id on the mark's lock key (or on a
+slot of it) ended in a way that ends the task: ``succeeded``, ``failed``, ``revoked`` or
+``skipped``. Not ``retried`` (the same task goes on under its mark), nor a success that
+handed the run to a ``Task.replace`` replacement (it goes on under the same task id), nor
+``disconnected``, ``expired``, ``lost`` or ``abandoned`` (its message may be delivered
+again). A mark whose task holds a body lease now is shown as running and left alone.
+Neither is looked for past the newest :data:`~celery_dlock.cli.commands.RECENT` records
+of each key.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import click
 
 from celery_dlock.backends.base import LockBackend
+from celery_dlock.celery.outcomes import HANDED_ON
 from celery_dlock.cli.commands import (
     JSON,
     RECENT,
@@ -55,7 +58,7 @@ class Mark:
     lock_key: str
     #: A body lease of the mark's task id held now.
     running: Lease | None
-    #: The record of a body lease of that task id that ended its task.
+    #: The record of the last body lease of that task id, when it ended its task.
     ran: Record | None
 
 
@@ -76,12 +79,16 @@ def survey(backend: LockBackend, prefix: str) -> list[Mark]:
         since = lease.acquired_at - SKEW
         query = functools.partial(backend.history, since=since, limit=RECENT)
         records, _ = records_of(backend, lock_key, query, limit=RECENT)
-        ran = next(
-            (r for r in records if r.lease.holder.task_id == task_id and r.outcome in FINISHED),
-            None,
-        )
+        last = next((r for r in records if r.lease.holder.task_id == task_id), None)
+        ran = last if last is not None and _ended(last) else None
         found.append(Mark(lease, lock_key, body[0] if body else None, ran))
     return found
+
+
+def _ended(record: Record) -> bool:
+    """Whether ``record``, of a task's body lease, ended the task (not handed it on)."""
+    handed = record.outcome is Outcome.SUCCEEDED and (record.details or "").startswith(HANDED_ON)
+    return record.outcome in FINISHED and not handed
 
 
 @click.command()

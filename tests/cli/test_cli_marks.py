@@ -9,6 +9,7 @@ import json
 from celery_dlock import Holder, Outcome
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.dedupe import mark_key
+from celery_dlock.celery.outcomes import HANDED_ON
 from celery_dlock.records import Lease
 from tests.cli.clitools import CliStore, run_cli
 
@@ -25,32 +26,39 @@ def _mark(backend: LockBackend, lock_key: str, task_id: str) -> Lease:
     return handed
 
 
-def _body(backend: LockBackend, key: str, task_id: str, outcome: Outcome | None) -> Lease:
+def _body(
+    backend: LockBackend, key: str, task_id: str, outcome: Outcome | None, details: str = ""
+) -> Lease:
     """A body lease of ``task_id`` on ``key``: released as ``outcome``, or held (None)."""
     lease = backend.try_acquire(key, Holder.current(task_id=task_id, task_name=TASK), 60)
     assert lease is not None
     if outcome is not None:
-        assert backend.release(lease, outcome) is not None
+        assert backend.release(lease, outcome, None, details or None) is not None
     return lease
 
 
 def test_marks_tells_a_mark_whose_message_ran_and_releases_only_those(store: CliStore) -> None:
     backend = store.backend
-    marks = {n: _mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 7)}
+    marks = {n: _mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 9)}
     _body(backend, "job:sync:1", "t1", Outcome.SUCCEEDED)  # ran
     _body(backend, "job:sync:2", "t2", Outcome.RETRIED)  # goes on under its mark
     running = _body(backend, "job:sync:3", "t3", None)  # runs now
     # 4: no run of it seen (queued)
     _body(backend, "job:sync:5", "t9", Outcome.SUCCEEDED)  # another task id's run
     _body(backend, "job:sync:6#1", "t6", Outcome.FAILED)  # ran, on a slot of a lock_limit
+    # A run that replaced itself (Task.replace): the replacement goes on under its task id.
+    _body(backend, "job:sync:7", "t7", Outcome.SUCCEEDED, f"{HANDED_ON}{TASK}: its result...")
+    _body(backend, "job:sync:8", "t8", Outcome.RETRIED)  # retried, then ran
+    _body(backend, "job:sync:8", "t8", Outcome.SUCCEEDED)
 
     shown = run_cli("--backend", store.url, "marks")
     assert shown.returncode == 0, shown.stderr
     states = {line.split()[0]: line for line in shown.stdout.splitlines()[1:]}
     assert set(states) == {mark.key for mark in marks.values()}, shown.stdout
     assert "ran: succeeded" in states[marks[1].key] and "ran: failed" in states[marks[6].key]
+    assert "ran: succeeded" in states[marks[8].key]
     assert f"running (fence {running.fence})" in states[marks[3].key]
-    for n in (2, 4, 5):
+    for n in (2, 4, 5, 7):
         assert states[marks[n].key].rstrip().endswith("queued"), states[marks[n].key]
 
     declined = run_cli("--backend", store.url, "marks", "--release-ran", input="")
@@ -60,10 +68,11 @@ def test_marks_tells_a_mark_whose_message_ran_and_releases_only_those(store: Cli
     done = run_cli("--backend", store.url, "marks", "--release-ran", "--force", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert sorted(r["key"] for r in report["released"]) == [marks[1].key, marks[6].key]
+    ran = [marks[1].key, marks[6].key, marks[8].key]
+    assert sorted(r["key"] for r in report["released"]) == ran
     for n, mark in marks.items():
         now = backend.get(mark.key)
-        if n in (1, 6):
+        if n in (1, 6, 8):
             assert now is None
             (record,) = backend.history(key=mark.key)
             assert record.outcome is Outcome.FORCED and record.lease.token == mark.token
