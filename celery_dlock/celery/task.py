@@ -37,7 +37,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import busy, dedupe, once, replacing, signals, softlimit
+from celery_dlock.celery import busy, dedupe, once, outcomes, replacing, signals, softlimit
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, replaced_by, replacement, stored_result
@@ -397,7 +397,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             return
         problem, details = (None, details) if exc is None else describe_exception(exc)
         if isinstance(exc, Reject):
-            details = f"requeue={exc.requeue}: {details}"
+            details = f"{outcomes.REQUEUE}{exc.requeue}: {details}"
         try:
             record = lock.release(outcome, problem, details, result)
         except BackendError:

@@ -10,12 +10,12 @@ snapshot or from an AOF written every second does that, and so does a failover w
 
 A message has run when the last body lease of its task id on the mark's lock key (or on a
 slot of it) ended in a way that ends the task: ``succeeded``, ``failed``, ``revoked`` or
-``skipped``. Not ``retried`` (the same task goes on under its mark), nor a success that
-handed the run to a ``Task.replace`` replacement (it goes on under the same task id), nor
-``disconnected``, ``expired``, ``lost`` or ``abandoned`` (its message may be delivered
-again). A mark whose task holds a body lease now is shown as running and left alone.
-Neither is looked for past the newest :data:`~celery_dlock.cli.commands.RECENT` records
-of each key.
+``skipped``. Not ``retried``, a success that handed the run to a ``Task.replace``
+replacement, nor a ``Reject`` that put the message back (the same task goes on under its
+id: :func:`~celery_dlock.celery.outcomes.goes_on`), nor ``disconnected``, ``expired``,
+``lost`` or ``abandoned`` (its message may be delivered again). A mark whose task holds a
+body lease now is shown as running and left alone. Neither is looked for past the newest
+:data:`~celery_dlock.cli.commands.RECENT` records of each key.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from celery_dlock.backends.base import LockBackend
-from celery_dlock.celery.outcomes import HANDED_ON
+from celery_dlock.celery.outcomes import goes_on
 from celery_dlock.cli.commands import (
     JSON,
     RECENT,
@@ -86,9 +86,8 @@ def survey(backend: LockBackend, prefix: str) -> list[Mark]:
 
 
 def _ended(record: Record) -> bool:
-    """Whether ``record``, of a task's body lease, ended the task (not handed it on)."""
-    handed = record.outcome is Outcome.SUCCEEDED and (record.details or "").startswith(HANDED_ON)
-    return record.outcome in FINISHED and not handed
+    """Whether ``record``, of a task's body lease, ended the task."""
+    return record.outcome in FINISHED and not goes_on(record)
 
 
 @click.command()

@@ -9,7 +9,7 @@ import json
 from celery_dlock import Holder, Outcome
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.dedupe import mark_key
-from celery_dlock.celery.outcomes import HANDED_ON
+from celery_dlock.celery.outcomes import HANDED_ON, REQUEUE
 from celery_dlock.records import Lease
 from tests.cli.clitools import CliStore, run_cli
 
@@ -39,17 +39,20 @@ def _body(
 
 def test_marks_tells_a_mark_whose_message_ran_and_releases_only_those(store: CliStore) -> None:
     backend = store.backend
-    marks = {n: _mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 9)}
+    marks = {n: _mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 10)}
     _body(backend, "job:sync:1", "t1", Outcome.SUCCEEDED)  # ran
     _body(backend, "job:sync:2", "t2", Outcome.RETRIED)  # goes on under its mark
     running = _body(backend, "job:sync:3", "t3", None)  # runs now
     # 4: no run of it seen (queued)
-    _body(backend, "job:sync:5", "t9", Outcome.SUCCEEDED)  # another task id's run
+    _body(backend, "job:sync:5", "t99", Outcome.SUCCEEDED)  # another task id's run
     _body(backend, "job:sync:6#1", "t6", Outcome.FAILED)  # ran, on a slot of a lock_limit
     # A run that replaced itself (Task.replace): the replacement goes on under its task id.
     _body(backend, "job:sync:7", "t7", Outcome.SUCCEEDED, f"{HANDED_ON}{TASK}: its result...")
     _body(backend, "job:sync:8", "t8", Outcome.RETRIED)  # retried, then ran
     _body(backend, "job:sync:8", "t8", Outcome.SUCCEEDED)
+    # A Reject that put its message back (acks_late): it runs again under its mark.
+    requeued = _body(backend, "job:sync:9", "t9", None)
+    backend.release(requeued, Outcome.FAILED, "Reject", f"{REQUEUE}True: Reject(...)")
 
     shown = run_cli("--backend", store.url, "marks")
     assert shown.returncode == 0, shown.stderr
@@ -58,7 +61,7 @@ def test_marks_tells_a_mark_whose_message_ran_and_releases_only_those(store: Cli
     assert "ran: succeeded" in states[marks[1].key] and "ran: failed" in states[marks[6].key]
     assert "ran: succeeded" in states[marks[8].key]
     assert f"running (fence {running.fence})" in states[marks[3].key]
-    for n in (2, 4, 5, 7):
+    for n in (2, 4, 5, 7, 9):
         assert states[marks[n].key].rstrip().endswith("queued"), states[marks[n].key]
 
     declined = run_cli("--backend", store.url, "marks", "--release-ran", input="")
