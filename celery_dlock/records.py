@@ -22,13 +22,16 @@ from celery_dlock.tokens import new_token
 
 __all__ = [
     "DETAILS_LIMIT",
+    "HANDED_ON",
     "METADATA_LIMIT",
+    "REQUEUE",
     "Holder",
     "Lease",
     "Outcome",
     "Record",
     "check_metadata",
     "describe_exception",
+    "goes_on",
     "new_token",
     "truncate_utf8",
 ]
@@ -323,6 +326,26 @@ class Record:
             details=data.get("details"),
             result=data.get("result"),
         )
+
+
+#: How the details of the body lease of a run that replaced itself begin: its task goes on
+#: under the same id (the ``marks`` command tells such a run from one that ended; written
+#: by :mod:`celery_dlock.celery.outcomes`).
+HANDED_ON = "replaced by "
+#: How the details of a run ended by ``Reject`` begin: ``requeue=True: ...``.
+REQUEUE = "requeue="
+
+
+def goes_on(record: Record) -> bool:
+    """Whether the record of a task's body lease leaves that task to go on under its id:
+    a retry, a run that handed itself to its replacement (``Task.replace``), or a
+    ``Reject`` that put its message back, rather than ending it."""
+    details = record.details or ""
+    return (
+        record.outcome is Outcome.RETRIED
+        or (record.outcome is Outcome.SUCCEEDED and details.startswith(HANDED_ON))
+        or (record.problem == "Reject" and details.startswith(f"{REQUEUE}True"))
+    )
 
 
 def truncate_utf8(text: str, limit: int = DETAILS_LIMIT) -> str:

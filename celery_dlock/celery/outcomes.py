@@ -12,13 +12,10 @@ from celery.exceptions import Ignore, Retry, TaskRevokedError
 from kombu.utils import json as kombu_json
 
 from celery_dlock.events import fields
-from celery_dlock.records import Outcome, Record
+from celery_dlock.records import HANDED_ON, Outcome
 
 __all__ = [
-    "HANDED_ON",
     "REPLACED",
-    "REQUEUE",
-    "goes_on",
     "lineage",
     "outcome_of",
     "replaced_by",
@@ -31,23 +28,6 @@ logger = logging.getLogger("celery_dlock.task")
 
 #: The field of a kept success whose run was handed to a replacement (``Task.replace``).
 REPLACED = "replaced"
-#: How the details of the body lease of a run that replaced itself begin: its task goes on
-#: under the same id (the ``marks`` command tells such a run from one that ended).
-HANDED_ON = "replaced by "
-#: How the details of a run ended by ``Reject`` begin: ``requeue=True: ...``.
-REQUEUE = "requeue="
-
-
-def goes_on(record: Record) -> bool:
-    """Whether the record of a task's body lease leaves that task to go on under its id:
-    a retry, a run that handed itself to its replacement (``Task.replace``), or a
-    ``Reject`` that put its message back, rather than ending it."""
-    details = record.details or ""
-    return (
-        record.outcome is Outcome.RETRIED
-        or (record.outcome is Outcome.SUCCEEDED and details.startswith(HANDED_ON))
-        or (record.problem == "Reject" and details.startswith(f"{REQUEUE}True"))
-    )
 
 
 def outcome_of(exc: BaseException) -> Outcome:

@@ -37,7 +37,7 @@ from celery.exceptions import Ignore, Reject, Retry
 
 from celery_dlock import metrics
 from celery_dlock.backends.base import validate_ttl
-from celery_dlock.celery import busy, dedupe, once, outcomes, replacing, signals, softlimit
+from celery_dlock.celery import busy, dedupe, once, replacing, signals, softlimit
 from celery_dlock.celery.busy import BUSY_HEADER, RETRY_HEADER, header
 from celery_dlock.celery.options import define
 from celery_dlock.celery.outcomes import outcome_of, replaced_by, replacement, stored_result
@@ -56,7 +56,7 @@ from celery_dlock.events import fields
 from celery_dlock.keys import KeyTemplate
 from celery_dlock.lock import DEFAULT, Lock
 from celery_dlock.locks import Locks, lost_lease
-from celery_dlock.records import Holder, Lease, Outcome, describe_exception
+from celery_dlock.records import REQUEUE, Holder, Lease, Outcome, describe_exception
 
 __all__ = ["LockedTask"]
 
@@ -397,7 +397,7 @@ class LockedTask(Task):  # type: ignore[misc]  # celery has no type hints
             return
         problem, details = (None, details) if exc is None else describe_exception(exc)
         if isinstance(exc, Reject):
-            details = f"{outcomes.REQUEUE}{exc.requeue}: {details}"
+            details = f"{REQUEUE}{exc.requeue}: {details}"
         try:
             record = lock.release(outcome, problem, details, result)
         except BackendError:

@@ -12,7 +12,7 @@ A message has run when the last body lease of its task id on the mark's lock key
 slot of it) ended in a way that ends the task: ``succeeded``, ``failed``, ``revoked`` or
 ``skipped``. Not ``retried``, a success that handed the run to a ``Task.replace``
 replacement, nor a ``Reject`` that put the message back (the same task goes on under its
-id: :func:`~celery_dlock.celery.outcomes.goes_on`), nor ``disconnected``, ``expired``,
+id: :func:`~celery_dlock.records.goes_on`), nor ``disconnected``, ``expired``,
 ``lost`` or ``abandoned`` (its message may be delivered again). A mark whose task holds a
 body lease now is shown as running and left alone. Neither is looked for past the newest
 :data:`~celery_dlock.cli.commands.RECENT` records of each key.
@@ -27,7 +27,6 @@ from typing import Any
 import click
 
 from celery_dlock.backends.base import LockBackend
-from celery_dlock.celery.outcomes import goes_on
 from celery_dlock.cli.commands import (
     JSON,
     RECENT,
@@ -40,7 +39,7 @@ from celery_dlock.cli.commands import (
 from celery_dlock.cli.env import Env, guarded
 from celery_dlock.cli.render import human_duration, lease_json, record_json, table
 from celery_dlock.keys import MARK, is_mark
-from celery_dlock.records import Lease, Outcome, Record
+from celery_dlock.records import Lease, Outcome, Record, goes_on
 
 __all__ = ["FINISHED", "Mark", "marks", "survey"]
 

@@ -9,8 +9,7 @@ import json
 from celery_dlock import Holder, Outcome
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.celery.dedupe import mark_key
-from celery_dlock.celery.outcomes import HANDED_ON, REQUEUE
-from celery_dlock.records import Lease
+from celery_dlock.records import HANDED_ON, REQUEUE, Lease
 from tests.cli.clitools import CliStore, run_cli
 
 TASK = "shop.sync"

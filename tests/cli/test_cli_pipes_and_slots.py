@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 
 from celery_dlock import Lock, backend_from_url
-from celery_dlock.cli.commands import SLOT_GAP
-from celery_dlock.cli.commands import _records_of as records_of
+from celery_dlock.cli.commands import SLOT_GAP, records_of
 from celery_dlock.records import Holder, Outcome
 from tests.cli.clitools import (
     BIN,
