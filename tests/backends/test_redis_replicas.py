@@ -38,6 +38,8 @@ def test_the_url_options_are_checked() -> None:
         RedisBackend.from_url("redis://127.0.0.1:1/0?replicas=1&replicas_timeout=5")
     with pytest.raises(ConfigurationError, match=r"replicas_timeout .* not 0.0"):
         RedisBackend.from_url("redis+cluster://127.0.0.1:1?replicas=1&replicas_timeout=0")
+    with pytest.raises(ConfigurationError, match=r"replicas_timeout means nothing without"):
+        RedisBackend.from_url("redis://127.0.0.1:1/0?replicas_timeout=2")
 
 
 @pytest.fixture

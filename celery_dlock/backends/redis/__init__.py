@@ -159,7 +159,7 @@ class RedisBackend(LockBackend):
         ttl: float = DEFAULT_TTL,
         retries: int = 2,
         replicas: int = 0,
-        replicas_timeout: float = 1.0,
+        replicas_timeout: float | None = None,
         url: str = "redis://localhost:6379/0",
     ) -> None:
         for option, value in (("success_ttl", success_ttl), ("gc_after", gc_after), ("ttl", ttl)):
@@ -195,8 +195,7 @@ class RedisBackend(LockBackend):
             slack=self._client.slack,
             default_ttl=self.default_ttl,
         )
-        slack = self._client.slack
-        self._replicas = None if replicas == 0 else Replicas(replicas, replicas_timeout, slack)
+        self._replicas = Replicas.of(replicas, replicas_timeout, self._client.slack)
         self._async: AsyncRedis | None = None
         self._async_made = threading.Lock()  # two loops' threads may ask at once
 

@@ -38,10 +38,13 @@ from celery_dlock.backends.redis.resp import bulks
 from celery_dlock.backends.redis.scripts import Script
 from celery_dlock.errors import BackendError, ConfigurationError
 
-__all__ = ["Replicas"]
+__all__ = ["REPLICAS_TIMEOUT", "Replicas"]
 
 #: How long a bucket's ``synced`` key lives after its last write (it holds nothing).
 _SYNCED_MS = b"60000"
+#: Seconds a release waits for the replicas by default (``replicas_timeout``): a replica
+#: just started or resumed acknowledges within a second (its ``REPLCONF ACK``).
+REPLICAS_TIMEOUT = 1.0
 
 
 class Replicas:
@@ -64,6 +67,20 @@ class Replicas:
         self.count = count
         self.timeout = float(timeout)
         self._wait = b"*3\r\n" + bulks([b"WAIT", count, round(timeout * 1000)])
+
+    @staticmethod
+    def of(count: int, timeout: float | None, socket_timeout: float) -> Replicas | None:
+        """The options given to a store: None for ``replicas=0`` (nothing waited for).
+
+        Raises:
+            ConfigurationError: as ``Replicas``, or a ``timeout`` without replicas (a
+                ``replicas=N`` left out by mistake).
+        """
+        if count == 0 and timeout is not None:
+            raise ConfigurationError("replicas_timeout means nothing without replicas=N (N >= 1)")
+        if count == 0 and not isinstance(count, bool):
+            return None
+        return Replicas(count, REPLICAS_TIMEOUT if timeout is None else timeout, socket_timeout)
 
     def confirm(self, client: Client, synced: bytes, operation: str, key: str) -> None:
         """Return once ``count`` replicas of the primary of ``synced``'s slot have every
