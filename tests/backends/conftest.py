@@ -21,6 +21,7 @@ import pytest
 from celery_dlock.backends.base import LockBackend
 from tests.backends import stores as store_modules
 from tests.backends.storecase import StoreCase
+from tests.support.redis_cluster import Cluster, start_cluster
 
 
 def _load_stores() -> dict[str, ModuleType]:
@@ -124,3 +125,11 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     yield running
     running.run_until_complete(running.shutdown_asyncgens())
     running.close()
+
+
+@pytest.fixture
+def private_cluster() -> Iterator[Cluster]:
+    """A Redis Cluster of the test's own (six nodes), for tests that kill or cut its nodes."""
+    cluster = start_cluster()
+    yield cluster
+    cluster.stop()

@@ -6,23 +6,16 @@ fence, and a fenced resource refuses the stale holder's write."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome
 from celery_dlock.backends.redis import RedisBackend
 from tests.support import eventually
-from tests.support.redis_cluster import Cluster, start_cluster
+from tests.support.redis_cluster import Cluster
 
 pytest.importorskip("redis")
-
-
-@pytest.fixture
-def private_cluster() -> Iterator[Cluster]:
-    cluster = start_cluster()
-    yield cluster
-    cluster.stop()
 
 
 def test_the_cluster_url_names_its_nodes_and_refuses_a_database() -> None:

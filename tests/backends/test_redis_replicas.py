@@ -18,7 +18,7 @@ import pytest
 from celery_dlock import BackendError, ConfigurationError, Holder, Lease, Outcome, Record
 from celery_dlock.backends.redis import RedisBackend
 from tests.support import eventually
-from tests.support.redis_cluster import Cluster, start_cluster
+from tests.support.redis_cluster import Cluster
 from tests.support.redis_pair import Pair
 
 pytest.importorskip("redis")
@@ -99,13 +99,6 @@ def test_a_release_the_replica_has_not_confirmed_is_a_store_error_until_it_has(
     assert pair.cli("EXISTS", confirmed._layout.names(key).lock).strip() == "0"
     for backend in (confirmed, unconfirmed, again):
         backend.close()
-
-
-@pytest.fixture
-def private_cluster() -> Iterator[Cluster]:
-    cluster = start_cluster()
-    yield cluster
-    cluster.stop()
 
 
 def test_a_failover_brings_back_a_release_only_without_replicas(

@@ -40,7 +40,7 @@ from celery_dlock.backends.postgres.sql import Names
 from celery_dlock.records import Holder, Lease, Record
 from tests.support import eventually
 from tests.support.doctor import by_name
-from tests.support.redis_cluster import Cluster, shared_cluster, start_cluster
+from tests.support.redis_cluster import Cluster, shared_cluster
 from tests.support.scale_trial import Bouncer, bouncer, limited_role, server_connections
 from tests.support.services import POSTGRES_URL, peak_sessions, wait_ended, with_options
 
@@ -559,13 +559,6 @@ def test_a_set_of_keys_on_every_primary_is_all_or_none_and_read_across_nodes(
     finally:
         first.close()
         second.close()
-
-
-@pytest.fixture
-def private_cluster() -> Iterator[Cluster]:
-    cluster = start_cluster()
-    yield cluster
-    cluster.stop()
 
 
 def test_a_cluster_client_whose_only_named_node_died_reaches_the_survivors(
