@@ -143,6 +143,27 @@ def test_a_lease_whose_slot_is_migrating_is_read_refused_cleanly_then_released(
     backend.close()
 
 
+def test_commands_sent_together_to_a_migrating_slot_each_follow_the_ask(
+    private_cluster: Cluster,
+) -> None:
+    """``ASKING`` admits only the command after it: a release pipelined with the write of
+    its bucket's ``synced`` key and a ``WAIT`` (``replicas=N``) sends each after one."""
+    backend = RedisBackend.from_url(f"{private_cluster.url}?prefix=ask&restart_delay=0")
+    wire = backend._client.connections()
+    key = b"{ask}:probe"
+    assert wire.send_all_at(key, [b"*3\r\n$3\r\nSET\r\n$11\r\n{ask}:probe\r\n$1\r\n0\r\n"])
+    migration = Migration(private_cluster, "{ask}")
+    migration.move_keys()
+    try:
+        sets = [b"*3\r\n$3\r\nSET\r\n$11\r\n{ask}:probe\r\n$1\r\n%d\r\n" % n for n in (1, 2)]
+        get = b"*2\r\n$3\r\nGET\r\n$11\r\n{ask}:probe\r\n"
+        # The key is on the target now: the source answers the first command with ASK.
+        assert wire.send_all_at(key, [*sets, get]) == [b"OK", b"OK", b"2"]
+    finally:
+        migration.finish()
+    backend.close()
+
+
 # -- many leases ---------------------------------------------------------------------------------
 
 

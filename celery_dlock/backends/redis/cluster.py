@@ -178,8 +178,8 @@ class ClusterConnections:
     def send_all_at(self, key: bytes, commands: list[bytes]) -> list[Any]:
         """``commands`` on one connection to the primary of ``key``'s slot, where every
         one of them runs (a ``WAIT`` after a write must reach that write's node): a
-        ``MOVED`` first reply sends them all again to the node named, an ``ASK`` one after
-        ``ASKING``; as in ``send_all``, an error reply is returned, not raised."""
+        ``MOVED`` first reply sends them all again to the node named, an ``ASK`` one each
+        after an ``ASKING``; as in ``send_all``, an error reply is returned, not raised."""
         if not self._slots:
             self.refresh()
         node = self._slots[key_slot(key)]
@@ -194,8 +194,10 @@ class ClusterConnections:
                 self.refresh()
                 node = (first.host, int(first.port))
             elif isinstance(first, AskError):
+                # ASKING admits the one command after it: each is sent after its own.
                 target = self._node((first.host, int(first.port)))
-                return target.send_all([_ASKING, *commands])[1:]
+                asked = [part for command in commands for part in (_ASKING, command)]
+                return target.send_all(asked)[1::2]
             elif isinstance(first, ClusterDownError | TryAgainError) and hop < _HOPS - 1:
                 time.sleep(_SETTLING)
             else:
