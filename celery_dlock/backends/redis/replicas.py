@@ -90,8 +90,7 @@ class Replicas:
             BackendError: fewer replicas acknowledged within the timeout, or the store
                 failed.
         """
-        write = b"*5\r\n" + bulks([b"SET", synced, b"1", b"PX", _SYNCED_MS])
-        _, acknowledged = client.pipeline_at(synced, [write, self._wait], operation, key)
+        _, acknowledged = client.pipeline_at(synced, [_write(synced), self._wait], operation, key)
         self._judge(acknowledged, client, operation, key)
 
     def run(
@@ -116,7 +115,7 @@ class Replicas:
                 failed.
         """
         count, tail, again = parts
-        write = b"*5\r\n" + bulks([b"SET", synced, b"1", b"PX", _SYNCED_MS])
+        write = _write(synced)
         wire = client.connections()
         tries = 0
 
@@ -155,3 +154,8 @@ class Replicas:
                 f"{self.timeout:g} s: not yet safe from a failover; it is tried again",
                 client.url,
             )
+
+
+def _write(synced: bytes) -> bytes:
+    """The write of a bucket's ``synced`` key that a ``WAIT`` behind it covers."""
+    return b"*5\r\n" + bulks([b"SET", synced, b"1", b"PX", _SYNCED_MS])
