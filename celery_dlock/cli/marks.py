@@ -64,14 +64,18 @@ class Mark:
 def survey(backend: LockBackend, prefix: str) -> list[Mark]:
     """The dedupe marks held under ``prefix``, each with what the store shows of its run."""
     found = []
-    for lease in backend.leases(prefix):
+    listed = backend.leases(prefix)
+    for lease in listed:
         task_name, task_id = lease.holder.task_name, lease.holder.task_id
         if task_name is None or task_id is None or not is_mark(lease.key, task_name):
             continue
         lock_key = lease.key[: -len(MARK + task_name)]
+        # A mark's key begins with its lock key: the listing under ``prefix`` already holds
+        # the body's leases when the lock key begins with ``prefix`` too.
+        held_now = listed if lock_key.startswith(prefix) else backend.leases(lock_key)
         body = [
             held
-            for held in backend.leases(lock_key)
+            for held in held_now
             if (held.key == lock_key or slot_of(held.key, lock_key))
             and held.holder.task_id == task_id
         ]
