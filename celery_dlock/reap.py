@@ -101,14 +101,15 @@ def reap(
         counts["skipped"] = 1
         return counts
     try:
-        more = first is None or len(first) == batch
-        for _ in range(batches if more else 0):
+        # A batch clears fewer than it asked for when another janitor's first batch (taken
+        # without the lock) cleared some of the same leases: only an empty one says that
+        # nothing is left.
+        for _ in range(batches if first is None or first else 0):
             if left <= 0:
                 break
-            asked = min(batch, left)
-            records = backend.reap(limit=asked)
+            records = backend.reap(limit=min(batch, left))
             clear(records)
-            if len(records) < asked:
+            if not records:
                 break
         before = None if retention is None else time.time() - retention
         # Nothing was released before 1970: a retention reaching further back prunes

@@ -171,3 +171,26 @@ def test_janitors_at_once_on_an_object_store_record_each_dead_lease_once(
     """S3 and GCS: a reap's write is conditional on the object it read; four janitors at
     once each clear their first batch without the lock."""
     janitors_at_once(object_server.url(unique_prefix()), opened, dead=8, batch=3)
+
+
+def test_a_run_whose_batch_another_janitor_outran_clears_the_rest(
+    url: str, opened: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that clears fewer leases than it asked for while more are due (what a batch
+    clears when another janitor, at once, cleared some of those it found; the contract
+    allows it) does not end the run: before, the run stopped at its first batch's 2 of 5,
+    leaving 10 dead leases for the next run."""
+    backend = opened(url)
+    reap(backend, quiet_for=3600)  # a run recorded: the next may be quiet
+    leases = expired_leases(backend, [f"job:outrun:{n}" for n in range(12)], TTL)
+    store_reap = backend.reap
+    calls: list[int] = []
+
+    def outrun(limit: int = 100) -> list[Any]:
+        calls.append(limit)
+        return store_reap(limit=2 if len(calls) == 1 else limit)
+
+    monkeypatch.setattr(backend, "reap", outrun)
+    counts = reap(backend, batch=5, quiet_for=3600)
+    assert (counts["reaped"], counts["expired"], counts["quiet"]) == (12, 12, 0)
+    assert all(backend.get(lease.key) is None for lease in leases)
