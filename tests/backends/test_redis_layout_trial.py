@@ -25,10 +25,10 @@ redis = pytest.importorskip("redis")
 from celery_dlock.backends.redis import RedisBackend  # noqa: E402
 from celery_dlock.backends.redis.layout import Layout  # noqa: E402
 from tests.backends.test_redis import acquire  # noqa: E402
-from tests.backends.test_redis_server import RedisServer, private_redis  # noqa: E402
 from tests.support import eventually  # noqa: E402
 from tests.support.countingproxy import CountingProxy  # noqa: E402
 from tests.support.redis_cluster import Cluster, start_cluster  # noqa: E402
+from tests.support.redis_server import RedisServer, private_redis  # noqa: E402
 
 PREFIX = "lay"
 

@@ -18,10 +18,10 @@ from celery_dlock.backends import backend_from_url
 pytest.importorskip("redis")
 
 from celery_dlock.backends.redis import RedisBackend
-from tests.backends.test_redis_server import RedisServer, private_redis
 from tests.support import eventually
 from tests.support.countingproxy import CountingProxy
 from tests.support.redis_cluster import Cluster, start_cluster
+from tests.support.redis_server import RedisServer, private_redis
 
 # -- URLs ---------------------------------------------------------------------------------
 
@@ -217,14 +217,8 @@ def test_the_history_of_a_rare_key_in_a_busy_namespace_is_read_without_the_other
 def snapshotting_server() -> Iterator[RedisServer]:
     """A private server that loads ``dump.rdb`` from its directory when it starts, as a
     default Redis install does (``save`` points, no AOF); SIGKILLed to restart."""
-    directory = Path(tempfile.mkdtemp(prefix="dlock-rdb-"))
-    server = RedisServer(directory, "--dbfilename", "dump.rdb")
-    try:
-        server.start()
+    with private_redis("dlock-rdb-", "--dbfilename", "dump.rdb") as server:
         yield server
-    finally:
-        server.stop()
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _snapshot_then_crash(server: RedisServer, url: str) -> tuple[RedisBackend, Lease]:

@@ -9,7 +9,7 @@ from celery_dlock import BackendError, Lock
 redis = pytest.importorskip("redis")
 
 from tests.backends import test_redis_server  # noqa: E402
-from tests.backends.test_redis_server import RedisServer  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 #: A private ``redis-server`` without persistence, stopped after the test.
 server = test_redis_server.server

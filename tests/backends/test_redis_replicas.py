@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,10 +45,12 @@ def test_the_url_options_are_checked() -> None:
 
 
 @pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Pair]:
-    made = Pair(tmp_path)
+def pair() -> Iterator[Pair]:
+    folder = Path(tempfile.mkdtemp(prefix="dlock-pair-"))  # short: unix socket paths
+    made = Pair(folder)
     yield made
     made.stop()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_release_returns_once_the_replica_has_it(pair: Pair) -> None:

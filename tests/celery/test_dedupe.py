@@ -456,13 +456,17 @@ def test_on_redis_a_producer_killed_before_its_send_blocks_the_key_for_send_ttl_
     """Redis cannot tell that a producer died: its mark lives only as long as a send may
     take (``SEND_TTL``, shortened here), not ``dedupe_ttl`` (an hour): celery-once and
     celery-singleton keep such a key blocked until their own timeout."""
-    env = producer_env(tmp_path, redis_url, f"{redis_url}/5")
+    # Database 1, which no test flushes, under a prefix of its own: database 5 (used here
+    # until it failed 1 run in 6) is the broker of the fifth pytest process's workers,
+    # flushed when that process starts its Celery tests, history and marks with it.
+    locks = f"{redis_url}/1?prefix=orphan-{uuid.uuid4().hex[:8]}"
+    env = producer_env(tmp_path, redis_url, locks)
     who = customer()
     # 12 s: the next producer must start and look within it (a Python process importing
     # Celery: 1-3 s on a loaded 2-core machine, where 2 s made this test fail in CI, and
     # 6 s did once, on a machine whose CI loop took 1.46 s).
     assert produce(env, who, then="die-before-send", send_ttl=12.0) == ""
-    store = backend_from_url(f"{redis_url}/5")
+    store = backend_from_url(locks)
     key = mark_of("w.sync", f"sync:{who}")
     orphan = store.get(key)
     assert orphan is not None and orphan.expires_at is not None
@@ -525,7 +529,7 @@ def test_a_redis_restart_keeps_the_marks_its_persistence_keeps(
     """The lock store is a Redis of its own, restarted by SIGKILL: without persistence its
     marks are gone and the next call sends (the body lock still keeps runs apart); with an
     append-only file synced on every write, the mark is there and the call is a duplicate."""
-    from tests.backends.test_redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     extra = ("--appendonly", "yes", "--appendfsync", "always") if persistence == "aof" else ()
     directory = Path(tempfile.mkdtemp(prefix="dlock-redis-"))

@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from tests.support import eventually, unavailable
-from tests.support.objectstore_servers import free_port
+from tests.support.redis_server import RedisServer
 
 __all__ = ["Pair"]
 
@@ -18,13 +18,17 @@ class Pair:
     """A private primary and its replica."""
 
     def __init__(self, folder: Path) -> None:
-        if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-            unavailable("redis-server is not installed (apt-get install redis-server)")
-        self.primary, self.replica = free_port(), free_port()
-        self.processes = [
-            self._spawn(folder, self.primary),
-            self._spawn(folder, self.replica, "--replicaof", "127.0.0.1", str(self.primary)),
-        ]
+        if shutil.which("redis-cli") is None:
+            unavailable("redis-cli is not installed (apt-get install redis-tools)")
+        (folder / "primary").mkdir()
+        (folder / "replica").mkdir()
+        first = RedisServer(folder / "primary", "--repl-diskless-sync-delay", "0")
+        first.start()
+        self.primary = first.port
+        second = RedisServer(folder / "replica", "--replicaof", "127.0.0.1", str(self.primary))
+        second.start()
+        self.replica = second.port
+        self.servers = [first, second]
         eventually(lambda: "master_link_status:up" in self.cli("INFO", "replication"), "sync")
         # The primary counts a replica for WAIT once it is online there, after the
         # replica's first acknowledgement (it sends one a second), and a first WAIT after
@@ -40,22 +44,10 @@ class Pair:
         if warm.stdout.split()[-1:] != [b"1"]:
             raise RuntimeError(f"the replica did not acknowledge a write: {warm.stdout!r}")
 
-    @staticmethod
-    def _spawn(folder: Path, port: int, *more: str) -> subprocess.Popen[bytes]:
-        node = folder / str(port)
-        node.mkdir()
-        args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(node)]
-        args += ["--save", "", "--appendonly", "no", "--repl-diskless-sync-delay", "0", *more]
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-        eventually(lambda: Pair.ping(port), f"redis-server on {port} answers")
-        return process
-
-    @staticmethod
-    def ping(port: int) -> bool:
-        done = subprocess.run(
-            ["redis-cli", "-p", str(port), "PING"], capture_output=True, check=False
-        )
-        return done.stdout.strip() == b"PONG"
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The primary's process, then the replica's."""
+        return [server.process for server in self.servers if server.process is not None]
 
     def cli(self, *args: str | bytes) -> str:
         """A command on the replica (reads only)."""
@@ -71,6 +63,5 @@ class Pair:
         return f"redis://127.0.0.1:{self.primary}/0?restart_delay=0&{options}"
 
     def stop(self) -> None:
-        for process in self.processes:
-            process.kill()
-            process.wait(10)
+        for server in self.servers:
+            server.stop()
