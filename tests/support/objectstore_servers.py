@@ -453,8 +453,9 @@ class HTTPProxy:
 
 # -- fixtures and tools shared by the object-store test modules --------------------------------
 
-#: Store name in test ids -> server kind. The contract suite runs on all three; tests
-#: beyond it run on one server per backend, and the race tests on all three.
+#: Store name in test ids -> server kind. The contract suite runs on SeaweedFS and
+#: fake-gcs-server (``tests/backends/conftest.py``); tests beyond it on one server per
+#: backend (moto for S3), and the race tests on all three.
 OBJECT_STORES = {"s3": "moto", "s3-seaweedfs": "seaweedfs", "gcs": "fake-gcs"}
 ONE_PER_BACKEND = ("gcs", "s3")
 
