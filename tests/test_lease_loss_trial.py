@@ -289,8 +289,10 @@ def test_private_redis_restart_is_reported_lost_and_next_fence_is_higher(
     url = f"redis://127.0.0.1:{private_redis['port']}/0?restart_delay=1&retries=0"
     backend = backend_from_url(url)
     calls: list[Lease] = []
-    # A Redis just started grants nothing for ``restart_delay``: wait it out.
-    lock = Lock(backend, "job:trial:restart", ttl=0.9, wait=10, on_lost=calls.append)
+    # A Redis just started grants nothing for ``restart_delay``: wait it out. A ttl of 3 s
+    # (renewed every second): at 0.9 s a loaded CI machine once let the lease expire before
+    # its first renewal was answered, before any restart.
+    lock = Lock(backend, "job:trial:restart", ttl=3.0, wait=10, on_lost=calls.append)
     try:
         first = lock.acquire()
         eventually(lambda: (lock.lease.expires_at or 0) > (first.expires_at or 0), "renewed")
