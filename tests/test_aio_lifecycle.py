@@ -117,9 +117,10 @@ def test_an_async_lock_dropped_while_renewed_lets_go_of_its_lease(backend: LockB
     key = fresh_key()
 
     async def scenario() -> Lease:
-        # Renewed every 1.5 s: the drop's release must come within the ttl, or it finds the
-        # lease expired (at ttl 1.5 s a loaded CI run recorded `expired`).
-        lock = AsyncLock(backend, key, ttl=4.5)
+        # Renewed every 4 s: the drop's release must come within the ttl, or it finds the
+        # lease expired (a loaded CI run recorded `expired` at ttl 1.5 s, and another at 4.5,
+        # its collection and release 5 s after the lease's last renewal).
+        lock = AsyncLock(backend, key, ttl=12.0)
         lease = await lock.acquire()
         assert renewing(key)
         dropped = weakref.ref(lock)
