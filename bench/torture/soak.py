@@ -16,7 +16,7 @@ started again, as its supervisor would (Celery 5.7 can die of a broker restart: 
 ledger, the bodies' logs and the store's history, prints the table and exits 1 on a
 violation.
 
-``--short`` (600 orders, 2 kills, one restart of each) is the CI size
+``--short`` (400 orders, 2 kills, one restart of each) is the CI size
 (``tests/test_torture.py``).
 """
 
@@ -368,7 +368,7 @@ def _retrying(publish: Any, stop: threading.Event) -> None:
                 raise
 
 
-SHORT = {"tasks": 600, "kills": 2}
+SHORT = {"tasks": 400, "kills": 2}
 
 
 def _exit(signum: int, frame: Any) -> None:
