@@ -104,7 +104,8 @@ def reap(
         # A batch clears fewer than it asked for when another janitor's first batch (taken
         # without the lock) cleared some of the same leases: only an empty one says that
         # nothing is left.
-        for _ in range(batches if first is None or first else 0):
+        more = first is None or bool(first)
+        for _ in range(batches if more else 0):
             if left <= 0:
                 break
             records = backend.reap(limit=min(batch, left))
