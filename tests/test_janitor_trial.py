@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from celery_dlock.reap import janitor_key, reap
 from celery_dlock.records import Record
 from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
+from tests.cli.clitools import run_cli as cli
 from tests.support import force_release
 from tests.support.expiry import expired_leases
 from tests.support.holders import gone, kill, spawn_holder
@@ -392,16 +392,6 @@ def test_a_failed_run_does_not_keep_the_next_beat_runs_quiet(case: StoreCase) ->
 
 
 # -- the CLI -------------------------------------------------------------------------------------
-
-CLI = [str(Path(sys.executable).parent / "celery-dlock")]
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-    env.pop("DLOCK_BACKEND", None)
-    return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env=env, timeout=60, check=False
-    )
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from celery_dlock.errors import LockKeyError, LockNotAcquiredError
 from celery_dlock.keys import MAX_KEY_BYTES
 from tests.backends.conftest import STORES
 from tests.backends.storecase import StoreCase
+from tests.cli.clitools import run_cli as cli
 from tests.support import eventually
 from tests.support.services import redis_client
 
@@ -102,12 +103,6 @@ def new_key(name: str = "export") -> str:
 def records(backend: LockBackend, key: str) -> list[Any]:
     """The records of ``key``, oldest first."""
     return list(reversed(backend.history(key=key, limit=None)))
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "celery-dlock"), *args], check=False, capture_output=True, text=True, timeout=60
-    )
 
 
 # -- real processes on one key ------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""What the CLI tests share, apart from fixtures: the real commands as subprocesses, and the
-test servers' addresses. A module of its own (not conftest): test modules import it by a name
+"""What the CLI tests share, apart from fixtures: the real commands as processes of their own
+(forked from a server that imported them once, :mod:`tests.support.forked_cli`), and the test
+servers' addresses. A module of its own (not conftest): test modules import it by a name
 that no other test directory uses."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_dlock.backends.base import LockBackend
+from tests.support.forked_cli import ForkedCli, forkable
 from tests.support.services import POSTGRES_URL, with_options
 from tests.support.services import redis_client as connect_redis
 
@@ -46,8 +48,14 @@ def environment(extra: dict[str, str] | None) -> dict[str, str]:
 def run_cli(
     *args: str, input: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``celery-dlock ARGS`` as a subprocess; its exit code and output."""
+    """``celery-dlock ARGS`` as a process of its own; its exit code and output."""
+    full = environment(env)
+    if forkable(full, _FORKED.env):
+        return _FORKED.run(list(args), input, full, COMMAND_TIMEOUT)
     return _run([str(BIN / "celery-dlock"), *args], input, env)
+
+
+_FORKED = ForkedCli(environment(None))
 
 
 def run_celery(

@@ -1,0 +1,238 @@
+"""The ``celery-dlock`` command started by a fork, not by a new interpreter: the CLI tests'
+hundreds of runs without paying the imports each time.
+
+A CI run started the command about 470 times at 0.3-0.4 s of CPU each, nearly all of it
+importing click, redis, psycopg and the package before doing a few milliseconds of work.
+Here one server process per test process imports them once; each run is a fork of it (under
+a small supervisor that waits for it and reports its wait status), with the test's own
+stdin, its own files for stdout and stderr, the test's environment, working directory and
+arguments, and ``main`` called as the ``celery-dlock`` entry point calls it. The command is
+still a process of its own: its exit code, its output, its signals and its children are
+real; what it does not go through is the interpreter's start, which an environment variable
+read at start (``PYTHON*``) would change: such a run gets a new interpreter
+(:func:`forkable`).
+
+``python -m tests.support.forked_cli SOCKET`` is the server; :class:`ForkedCli` starts one
+and asks it for runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+from typing import IO
+
+__all__ = ["ForkedCli", "forkable"]
+
+_WORD = struct.Struct("!q")
+_READY = b"ready\n"
+#: How long a fork may take before the server is taken for hung.
+COMMAND_START = 30
+
+
+def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
+    """Whether a run with ``env`` may be a fork of a server started with ``base``: only
+    when no variable the interpreter reads at its start differs."""
+    names = {name for name in (*env, *base) if name.startswith("PYTHON")}
+    return all(env.get(name) == base.get(name) for name in names)
+
+
+class ForkedCli:
+    """A server of forked ``celery-dlock`` runs, started on the first run; one per test
+    process (its runs may come from several threads)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self._lock = threading.Lock()
+        self._server: subprocess.Popen[bytes] | None = None
+        self._path = ""
+
+    def run(
+        self, args: list[str], input: str | None, env: dict[str, str], timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        """``celery-dlock ARGS``: its exit code and output, as :func:`subprocess.run` with
+        ``capture_output=True, text=True`` gives them."""
+        path = self._started()
+        with (
+            tempfile.TemporaryFile() as stdin,
+            tempfile.TemporaryFile() as stdout,
+            tempfile.TemporaryFile() as stderr,
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel,
+        ):
+            if input is not None:
+                stdin.write(input.encode())
+                stdin.seek(0)
+            request = {"argv": ["celery-dlock", *args], "env": env, "cwd": os.getcwd()}
+            channel.connect(path)
+            source = stdin.fileno() if input is not None else 0
+            socket.send_fds(
+                channel, [json.dumps(request).encode()], [source, stdout.fileno(), stderr.fileno()]
+            )
+            channel.settimeout(COMMAND_START)
+            (pid,) = _WORD.unpack(channel.recv(_WORD.size))
+            channel.settimeout(timeout)
+            try:
+                reply = channel.recv(_WORD.size)
+            except TimeoutError:
+                os.kill(pid, 9)
+                raise subprocess.TimeoutExpired(args, timeout) from None
+            if not reply:
+                raise RuntimeError(f"the forked run of {args} ended without a wait status")
+            (status,) = _WORD.unpack(reply)
+            code = os.waitstatus_to_exitcode(status)
+            return subprocess.CompletedProcess(args, code, _text(stdout), _text(stderr))
+
+    def _started(self) -> str:
+        with self._lock:
+            if self._server is None or self._server.poll() is not None:
+                folder = tempfile.mkdtemp(prefix="dlock-cli-")
+                self._path = str(Path(folder) / "socket")
+                self._server = subprocess.Popen(
+                    [sys.executable, "-m", "tests.support.forked_cli", self._path],
+                    stdout=subprocess.PIPE,
+                    env=self.env,
+                )
+                assert self._server.stdout is not None
+                line = self._server.stdout.readline()
+                if line != _READY:
+                    raise RuntimeError(f"the CLI fork server did not start: {line!r}")
+                atexit.register(shutil.rmtree, folder, ignore_errors=True)
+                atexit.register(self._server.kill)
+            return self._path
+
+
+def _text(file: IO[bytes]) -> str:
+    """As :mod:`subprocess` decodes a text-mode output: the locale's encoding, universal
+    newlines."""
+    file.seek(0)
+    data = file.read().decode(_encoding())
+    return data.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _encoding() -> str:
+    import locale
+
+    return locale.getpreferredencoding(False)
+
+
+# -- the server ---------------------------------------------------------------------------
+
+
+def serve(path: str) -> None:
+    """Import the command, then fork a run for each request on ``path``."""
+    import celery_dlock.backends.file
+    import celery_dlock.backends.postgres
+    import celery_dlock.backends.redis
+    import celery_dlock.cli  # noqa: F401
+
+    gc.freeze()  # what is imported stays out of the runs' collections (and their pages)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(64)
+    sys.stdout.buffer.write(_READY)
+    sys.stdout.flush()
+    while True:
+        connection, _ = listener.accept()
+        _reap()
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        if not message or len(fds) != 3:  # a client gone before asking
+            connection.close()
+            for fd in fds:
+                os.close(fd)
+            continue
+        if os.fork() == 0:
+            listener.close()
+            _supervise(connection, fds)
+            _command(json.loads(message), fds)  # only the command comes here
+        connection.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def _supervise(connection: socket.socket, fds: list[int]) -> None:
+    """In the fork: fork the command, tell its pid, wait for it, tell its wait status and
+    end. Only the command returns from here."""
+    pid = os.fork()
+    if pid == 0:
+        connection.close()
+        return
+    for fd in fds:
+        os.close(fd)
+    connection.send(_WORD.pack(pid))
+    _, status = os.waitpid(pid, 0)
+    connection.send(_WORD.pack(status))
+    os._exit(0)
+
+
+def _command(request: dict[str, object], fds: list[int]) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    env = request["env"]
+    assert isinstance(env, dict)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(str(request["cwd"]))
+    argv = request["argv"]
+    assert isinstance(argv, list)
+    sys.argv = argv
+    from celery_dlock.cli import main
+
+    try:
+        main(prog_name="celery-dlock")
+    except SystemExit as exit:
+        _exit(exit.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        _flushed()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:
+        traceback.print_exc()
+        _exit(1)
+    _exit(0)
+
+
+def _exit(code: object) -> None:
+    """End as the interpreter ends on ``SystemExit(code)``, without its teardown: freeing
+    every object the server imported would touch (and copy) all of their pages, several
+    times the run's own cost."""
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    _flushed()
+    os._exit(code & 0xFF)
+
+
+def _flushed() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
