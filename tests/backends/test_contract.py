@@ -9,8 +9,6 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +21,7 @@ from celery_dlock.backends.base import MAX_TTL, LockBackend
 from celery_dlock.errors import ConfigurationError
 from tests.backends.storecase import StoreCase
 from tests.support import eventually, force_release
+from tests.support.forked import popen_script
 from tests.support.holders import kill, spawn_holder
 
 HELPERS = Path(__file__).parent.parent / "support"
@@ -636,7 +635,7 @@ def test_contention_8_processes_lose_no_update_and_fence_in_order(
     script = str(HELPERS / "contend.py")
     key = "job:contended"
     args = [url, key, str(rounds), str(counter), str(log), str(start)]
-    processes = [subprocess.Popen([sys.executable, script, *args]) for _ in range(processes_count)]
+    processes = [popen_script(script, *args) for _ in range(processes_count)]
     start.write_text("go")
     codes = [p.wait(timeout=240) for p in processes]
     assert codes == [0] * processes_count

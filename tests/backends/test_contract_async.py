@@ -26,6 +26,7 @@ from celery_dlock import (
 )
 from tests.backends.storecase import StoreCase
 from tests.backends.test_contract import holder, needs_processes
+from tests.support.forked import popen_script
 
 HELPERS = Path(__file__).parent.parent / "support"
 
@@ -206,7 +207,7 @@ def test_coroutines_and_4_processes_on_one_key_never_overlap(
     rounds, coroutines = (10, 50) if store.backend.capabilities.push_wait else (5, 20)
     args = [url, key, str(rounds), str(counter), str(log), str(start)]
     script = str(HELPERS / "contend.py")
-    processes = [subprocess.Popen([sys.executable, script, *args]) for _ in range(4)]
+    processes = [popen_script(script, *args) for _ in range(4)]
     lags: list[float] = []
 
     async def contender() -> None:

@@ -40,6 +40,7 @@ from celery_dlock.backends.postgres.sql import Names
 from celery_dlock.records import Holder, Lease, Record
 from tests.support import eventually
 from tests.support.doctor import by_name
+from tests.support.forked import popen_script
 from tests.support.redis_cluster import Cluster, shared_cluster
 from tests.support.scale_trial import Bouncer, bouncer, limited_role, server_connections
 from tests.support.services import POSTGRES_URL, peak_sessions, wait_ended, with_options
@@ -100,10 +101,7 @@ def test_24_processes_over_3_server_connections_never_overlap_and_leave_no_sessi
         log.write_text("")
         files[key] = (counter, log)
         args = [url, key, str(rounds), str(counter), str(log), str(start)]
-        processes += [
-            subprocess.Popen([sys.executable, str(SUPPORT / "contend.py"), *args])
-            for _ in range(count)
-        ]
+        processes += [popen_script(SUPPORT / "contend.py", *args) for _ in range(count)]
     assert len(processes) == 24
     start.write_text("go")
     peak = peak_sessions(admin, name, processes)

@@ -1,5 +1,5 @@
 """What the CLI tests share, apart from fixtures: the real commands as processes of their own
-(forked from a server that imported them once, :mod:`tests.support.forked_cli`), and the test
+(forked from a server that imported them once, :mod:`tests.support.forked`), and the test
 servers' addresses. A module of its own (not conftest): test modules import it by a name
 that no other test directory uses."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_dlock.backends.base import LockBackend
-from tests.support.forked_cli import ForkedCli, forkable
+from tests.support.forked import ForkServer, forkable
 from tests.support.services import POSTGRES_URL, with_options
 from tests.support.services import redis_client as connect_redis
 
@@ -55,7 +55,7 @@ def run_cli(
     return _run([str(BIN / "celery-dlock"), *args], input, env)
 
 
-_FORKED = ForkedCli(environment(None))
+_FORKED = ForkServer(environment(None))
 
 
 def run_celery(

@@ -1,19 +1,22 @@
-"""The ``celery-dlock`` command started by a fork, not by a new interpreter: the CLI tests'
-hundreds of runs without paying the imports each time.
+"""Python processes of the tests started by a fork, not by a new interpreter: the
+``celery-dlock`` command's hundreds of runs, and the contention tests' helper scripts,
+without paying their imports each time.
 
-A CI run started the command about 470 times at 0.3-0.4 s of CPU each, nearly all of it
-importing click, redis, psycopg and the package before doing a few milliseconds of work.
-Here one server process per test process imports them once; each run is a fork of it (under
-a small supervisor that waits for it and reports its wait status), with the test's own
-stdin, its own files for stdout and stderr, the test's environment, working directory and
-arguments, and ``main`` called as the ``celery-dlock`` entry point calls it. The command is
-still a process of its own: its exit code, its output, its signals and its children are
-real; what it does not go through is the interpreter's start, which an environment variable
-read at start (``PYTHON*``) would change: such a run gets a new interpreter
-(:func:`forkable`).
+A CI run started the command about 470 times at 0.3-0.4 s of CPU each, and the contention
+helper (``contend.py``) about 220 times at 0.25 s, nearly all of it importing click, redis,
+psycopg, boto3 and the package before a few milliseconds of work. Here a server process per
+test process imports them once; each run is a fork of it (under a small supervisor that
+waits for it and reports its wait status), with the test's environment, working directory
+and arguments, and either ``main`` called as the ``celery-dlock`` entry point calls it or
+the script run as ``python SCRIPT`` runs it. It is still a process of its own: its exit
+code, its output, its signals and its children are real; what it does not go through is the
+interpreter's start, which an environment variable read at start (``PYTHON*``) would
+change: such a run needs a new interpreter (:func:`forkable`).
 
-``python -m tests.support.forked_cli SOCKET`` is the server; :class:`ForkedCli` starts one
-and asks it for runs.
+``python -m tests.support.forked SOCKET`` is the server; :class:`ForkServer` starts one and
+asks it for runs: :meth:`~ForkServer.run` (the command, its output captured, as
+``subprocess.run``) and :meth:`~ForkServer.popen` (a script beside the test, its output the
+test's, as ``subprocess.Popen``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import contextlib
 import gc
 import json
 import os
+import runpy
 import shutil
 import signal
 import socket
@@ -35,12 +39,15 @@ import traceback
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ForkedCli", "forkable"]
+__all__ = ["ForkServer", "Forked", "forkable", "popen_script"]
 
 _WORD = struct.Struct("!q")
 _READY = b"ready\n"
 #: How long a fork may take before the server is taken for hung.
 COMMAND_START = 30
+_REPO = Path(__file__).resolve().parents[2]
+#: What a run is: the command, or a script given by its path (``argv[0]``).
+CLI, SCRIPT = "celery-dlock", "script"
 
 
 def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
@@ -50,9 +57,47 @@ def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
     return all(env.get(name) == base.get(name) for name in names)
 
 
-class ForkedCli:
-    """A server of forked ``celery-dlock`` runs, started on the first run; one per test
-    process (its runs may come from several threads)."""
+class Forked:
+    """A run under way, as much of :class:`subprocess.Popen` as the tests use."""
+
+    def __init__(self, args: list[str], channel: socket.socket, pid: int) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._channel = channel
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._channel.settimeout(timeout)
+            try:
+                reply = self._channel.recv(_WORD.size)
+            except (TimeoutError, BlockingIOError):  # BlockingIOError: timeout 0
+                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+            self._channel.close()
+            if not reply:
+                raise RuntimeError(f"the forked run of {self.args} ended without a wait status")
+            self.returncode = os.waitstatus_to_exitcode(_WORD.unpack(reply)[0])
+        return self.returncode
+
+    def poll(self) -> int | None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return self.wait(0)
+        return None
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ForkServer:
+    """A server of forked runs with the environment ``env``, started on the first run; one
+    per test process and environment (its runs may come from several threads)."""
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
@@ -65,50 +110,58 @@ class ForkedCli:
     ) -> subprocess.CompletedProcess[str]:
         """``celery-dlock ARGS``: its exit code and output, as :func:`subprocess.run` with
         ``capture_output=True, text=True`` gives them."""
-        path = self._started()
         with (
             tempfile.TemporaryFile() as stdin,
             tempfile.TemporaryFile() as stdout,
             tempfile.TemporaryFile() as stderr,
-            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel,
         ):
             if input is not None:
                 stdin.write(input.encode())
                 stdin.seek(0)
-            request = {"argv": ["celery-dlock", *args], "env": env, "cwd": os.getcwd()}
-            channel.connect(path)
             source = stdin.fileno() if input is not None else 0
-            socket.send_fds(
-                channel, [json.dumps(request).encode()], [source, stdout.fileno(), stderr.fileno()]
-            )
+            fds = [source, stdout.fileno(), stderr.fileno()]
+            run = self._start(CLI, ["celery-dlock", *args], env, fds)
+            try:
+                run.wait(timeout)
+            except subprocess.TimeoutExpired:
+                run.kill()
+                raise
+            return subprocess.CompletedProcess(args, run.wait(), _text(stdout), _text(stderr))
+
+    def popen(self, argv: list[str], env: dict[str, str]) -> Forked:
+        """``python ARGV`` (``argv[0]`` a script's path) beside the test, with ``env`` and
+        the test's own stdin, stdout and stderr."""
+        return self._start(SCRIPT, argv, env, [0, 1, 2])
+
+    def _start(self, kind: str, argv: list[str], env: dict[str, str], fds: list[int]) -> Forked:
+        path = self._started()
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            channel.connect(path)
+            request = {"kind": kind, "argv": argv, "env": env, "cwd": os.getcwd()}
+            socket.send_fds(channel, [json.dumps(request).encode()], fds)
             channel.settimeout(COMMAND_START)
             (pid,) = _WORD.unpack(channel.recv(_WORD.size))
-            channel.settimeout(timeout)
-            try:
-                reply = channel.recv(_WORD.size)
-            except TimeoutError:
-                os.kill(pid, 9)
-                raise subprocess.TimeoutExpired(args, timeout) from None
-            if not reply:
-                raise RuntimeError(f"the forked run of {args} ended without a wait status")
-            (status,) = _WORD.unpack(reply)
-            code = os.waitstatus_to_exitcode(status)
-            return subprocess.CompletedProcess(args, code, _text(stdout), _text(stderr))
+        except BaseException:
+            channel.close()
+            raise
+        return Forked(argv, channel, pid)
 
     def _started(self) -> str:
         with self._lock:
             if self._server is None or self._server.poll() is not None:
-                folder = tempfile.mkdtemp(prefix="dlock-cli-")
+                folder = tempfile.mkdtemp(prefix="dlock-fork-")
                 self._path = str(Path(folder) / "socket")
                 self._server = subprocess.Popen(
-                    [sys.executable, "-m", "tests.support.forked_cli", self._path],
+                    [sys.executable, "-m", "tests.support.forked", self._path],
                     stdout=subprocess.PIPE,
                     env=self.env,
+                    cwd=_REPO,  # where ``-m tests.support.forked`` is found
                 )
                 assert self._server.stdout is not None
                 line = self._server.stdout.readline()
                 if line != _READY:
-                    raise RuntimeError(f"the CLI fork server did not start: {line!r}")
+                    raise RuntimeError(f"the fork server did not start: {line!r}")
                 atexit.register(shutil.rmtree, folder, ignore_errors=True)
                 atexit.register(self._server.kill)
             return self._path
@@ -128,14 +181,30 @@ def _encoding() -> str:
     return locale.getpreferredencoding(False)
 
 
+#: The server of :func:`popen_script`, started with the environment the tests started with.
+_SCRIPTS = ForkServer(dict(os.environ))
+
+
+def popen_script(script: str | Path, *args: str) -> Forked | subprocess.Popen[bytes]:
+    """``python SCRIPT ARGS`` beside the test, as ``subprocess.Popen`` starts it (the test's
+    environment, stdin, stdout and stderr): forked, unless a ``PYTHON*`` variable changed."""
+    argv = [str(script), *args]
+    env = dict(os.environ)
+    if not forkable(env, _SCRIPTS.env):
+        return subprocess.Popen([sys.executable, *argv])
+    return _SCRIPTS.popen(argv, env)
+
+
 # -- the server ---------------------------------------------------------------------------
 
 
 def serve(path: str) -> None:
-    """Import the command, then fork a run for each request on ``path``."""
+    """Import the command and the stores, then fork a run for each request on ``path``."""
     import celery_dlock.backends.file
+    import celery_dlock.backends.gcs
     import celery_dlock.backends.postgres
     import celery_dlock.backends.redis
+    import celery_dlock.backends.s3
     import celery_dlock.cli  # noqa: F401
 
     gc.freeze()  # what is imported stays out of the runs' collections (and their pages)
@@ -197,10 +266,14 @@ def _command(request: dict[str, object], fds: list[int]) -> None:
     argv = request["argv"]
     assert isinstance(argv, list)
     sys.argv = argv
-    from celery_dlock.cli import main
-
     try:
-        main(prog_name="celery-dlock")
+        if request["kind"] == CLI:
+            from celery_dlock.cli import main
+
+            main(prog_name="celery-dlock")
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit:
         _exit(exit.code)
     except KeyboardInterrupt:
