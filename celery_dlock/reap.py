@@ -1,16 +1,20 @@
-"""The janitor's work: clear leases whose holder is gone and prune old history.
+"""The janitor's work: clear leases whose holder is gone, release dedupe marks held for a
+message that has run, and prune old history.
 
 ``reap(backend, ...)`` runs as a singleton under the janitor's own lock, so two beats (or a
 manual ``celery dlock reap`` during a scheduled run) never reap at once beyond a first batch
 (below), and it works in bounded batches. The lock's release records the run in the
 history, with its counts (what ``doctor`` reads as the janitor's last run).
 
-A run on the beat schedule (``quiet_for``) first clears one batch without the lock, and
-when that cleared nothing and a run was recorded less than ``quiet_for`` seconds ago, it
-stops there: an idle janitor leaves one record an hour, not one every 30 seconds in the
-history of the keys users look at. Clearing outside the lock is safe: a reap releases each
-dead lease by its token, so two janitors at once clear and record it once. The Celery task
-and its beat entry are in :mod:`celery_dlock.celery.janitor`.
+A run with ``marks`` first releases the dedupe marks held for a message that has run (a
+store lost their release: :mod:`celery_dlock.marks`), each by its token, without the lock.
+A run on the beat schedule (``quiet_for``) then clears one batch without the lock, and
+when that cleared nothing (nor any mark) and a run was recorded less than ``quiet_for``
+seconds ago, it stops there: an idle janitor leaves one record an hour, not one every 30
+seconds in the history of the keys users look at. Clearing outside the lock is safe: a
+reap releases each dead lease (and each mark) by its token, so two janitors at once clear
+and record it once. The Celery task and its beat entry are in
+:mod:`celery_dlock.celery.janitor`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from celery_dlock.backends.base import LockBackend
 from celery_dlock.errors import ConfigurationError, LockNotAcquiredError
 from celery_dlock.events import fields
 from celery_dlock.lock import Lock
+from celery_dlock.marks import ran_marks, release_ran
 from celery_dlock.records import Outcome, Record
 
 __all__ = ["JANITOR_QUIET", "JANITOR_TASK", "janitor_key", "reap"]
@@ -52,29 +57,41 @@ def reap(
     cleared: Callable[[Record], object] | None = None,
     quiet_for: float | None = None,
     limit: int | None = None,
+    marks: int = 0,
 ) -> dict[str, int]:
     """Reap dead leases (at most ``limit``, by default ``batch × max_batches``) and prune
     history older than ``retention`` seconds (None: keep it; 0: all of it; a negative one
     is a cut-off in the future), under the janitor's own lock; ``cleared`` is called with
     the record of each lease cleared (each is logged too, as a warning).
 
+    ``marks``: how many dedupe marks to look at for a message that has run (0: none), each
+    released by its token, recorded ``forced`` (:func:`celery_dlock.marks.ran_marks`).
+
     ``quiet_for`` (seconds; None: every run is recorded): a run whose first batch, cleared
-    without the lock, cleared nothing ends there, unrecorded and without pruning, when a
-    run of the janitor succeeded less than ``quiet_for`` seconds ago (a failed run does not
-    count: the next one tries again).
+    without the lock, cleared nothing (nor released any mark) ends there, unrecorded and
+    without pruning, when a run of the janitor succeeded less than ``quiet_for`` seconds
+    ago (a failed run does not count: the next one tries again).
 
     Returns:
-        counts: ``reaped``, ``disconnected``, ``expired``, ``pruned``, ``skipped`` (1 when
-        another janitor was running and this one did no more than its first batch), and
-        ``quiet`` (1 for a run that found nothing to do and was not recorded).
+        counts: ``reaped``, ``disconnected``, ``expired``, ``pruned``, ``marks`` (the marks
+        released), ``skipped`` (1 when another janitor was running and this one did no more
+        than its first batch), and ``quiet`` (1 for a run that found nothing to do and was
+        not recorded).
 
     Raises:
-        ConfigurationError: ``retention`` is not finite seconds, or ``batch``,
-            ``max_batches`` or ``limit`` is not a whole number >= 1.
+        ConfigurationError: ``retention`` is not finite seconds, ``batch``, ``max_batches``
+            or ``limit`` is not a whole number >= 1, or ``marks`` not one >= 0.
     """
-    _check(retention, batch, max_batches, limit)
-    counts = {"reaped": 0, "disconnected": 0, "expired": 0, "pruned": 0, "skipped": 0, "quiet": 0}
+    _check(retention, batch, max_batches, limit, marks)
+    counts = dict.fromkeys(("reaped", "disconnected", "expired", "pruned", "marks"), 0)
+    counts |= {"skipped": 0, "quiet": 0}
     left = batch * max_batches if limit is None else limit
+    if marks:
+        prefix = f"{namespace}:" if namespace else ""
+        found = ran_marks(backend, prefix, sample=marks)
+        for record in release_ran(backend, found, "the janitor"):
+            counts["marks"] += 1
+            _log_mark(record, backend.url)
 
     def clear(records: list[Record]) -> None:
         nonlocal left
@@ -90,7 +107,7 @@ def reap(
     if quiet_for is not None:
         first = backend.reap(limit=min(batch, left))
         clear(first)
-        if not first and _recorded_within(backend, key, quiet_for):
+        if not first and not counts["marks"] and _recorded_within(backend, key, quiet_for):
             counts["quiet"] = 1
             return counts
         batches -= 1
@@ -124,7 +141,9 @@ def reap(
     return counts
 
 
-def _check(retention: float | None, batch: int, max_batches: int, limit: int | None) -> None:
+def _check(
+    retention: float | None, batch: int, max_batches: int, limit: int | None, marks: int
+) -> None:
     """Refuse what ``reap`` cannot do as asked: a NaN retention pruned every record of the
     file store (and failed elsewhere). A negative one is a cut-off in the future (tests use
     it to prune the file store's day of today)."""
@@ -140,6 +159,8 @@ def _check(retention: float | None, batch: int, max_batches: int, limit: int | N
     for name, value in (sizes if limit is None else {**sizes, "limit": limit}).items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(f"the janitor's {name} must be an int >= 1, not {value!r}")
+    if isinstance(marks, bool) or not isinstance(marks, int) or marks < 0:
+        raise ConfigurationError(f"the janitor's marks must be an int >= 0, not {marks!r}")
 
 
 def _count(counts: dict[str, int], record: Record, url: str) -> None:
@@ -157,6 +178,17 @@ def _count(counts: dict[str, int], record: Record, url: str) -> None:
         record.lease.holder.describe(),
         record.outcome,
         extra=fields("reaped", record.lease, outcome=record.outcome, backend=url),
+    )
+
+
+def _log_mark(record: Record, url: str) -> None:
+    """Log ``record``, of a dedupe mark the janitor released."""
+    logger.warning(
+        "janitor released %s, held for message %s, which had run: %s",
+        record.key,
+        record.lease.holder.task_id,
+        record.details,
+        extra=fields("mark_released", record.lease, outcome=record.outcome, backend=url),
     )
 
 

@@ -41,14 +41,16 @@ def register(app: Celery) -> Any:
 
     @app.task(name=JANITOR_TASK, ignore_result=False, shared=False)  # type: ignore[untyped-decorator]
     def janitor() -> dict[str, int]:
-        """Reap leases whose holder is gone and prune history past retention; a run with
-        nothing to do is recorded once an hour (``reap``'s ``quiet_for``)."""
+        """Reap leases whose holder is gone, release the dedupe marks held for a message
+        that has run, and prune history past retention; a run with nothing to do is
+        recorded once an hour (``reap``'s ``quiet_for``)."""
         current = settings(app)
         return reap(
             backend_for(app),
             namespace=current.namespace,
             retention=current.history_retention,
             quiet_for=JANITOR_QUIET,
+            marks=current.janitor_marks,
         )
 
     def add_entry(sender: Any = None, **_: Any) -> None:

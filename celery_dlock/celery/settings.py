@@ -10,6 +10,7 @@ Settings (Celery style, all optional)::
     dlock_history_retention  seconds of history kept         30 days (None: forever)
     dlock_on_backend_error   "retry" (fail closed) or "run"  "retry"
     dlock_dedupe_ttl         seconds a dedupe mark lives     3600.0
+    dlock_janitor_marks      marks a janitor run looks at    100     (0: none)
     dlock_metrics            Prometheus metrics (the [metrics] extra)   False
 
 Settings are read when used, not when installed, so the order of ``install(app)`` and
@@ -68,6 +69,7 @@ SETTINGS = (
     "dlock_history_retention",
     "dlock_on_backend_error",
     "dlock_dedupe_ttl",
+    "dlock_janitor_marks",
     "dlock_metrics",
 )
 
@@ -88,6 +90,8 @@ class Settings:
     dedupe_ttl: float = 3600.0
     #: Prometheus metrics on (``dlock_metrics``; see :mod:`celery_dlock.metrics`).
     metrics: bool = False
+    #: Dedupe marks a janitor run looks at for a message that has run (``dlock_janitor_marks``).
+    janitor_marks: int = 100
 
 
 def default_backend_url() -> str:
@@ -156,8 +160,13 @@ def _read_settings(app: Celery) -> Settings:
     metrics = conf.get("dlock_metrics", False)
     if not isinstance(metrics, bool):
         raise ConfigurationError(f"dlock_metrics must be True or False, not {metrics!r}")
+    marks = conf.get("dlock_janitor_marks", 100)
+    if isinstance(marks, bool) or not isinstance(marks, int) or marks < 0:
+        raise ConfigurationError(
+            f"dlock_janitor_marks must be a whole number of marks >= 0, not {marks!r}"
+        )
     return Settings(
-        url, namespace, ttl, interval, retention, on_error, default, dedupe_ttl, metrics
+        url, namespace, ttl, interval, retention, on_error, default, dedupe_ttl, metrics, marks
     )
 
 

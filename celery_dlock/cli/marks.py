@@ -9,12 +9,9 @@ snapshot or from an AOF written every second does that, and so does a failover w
 ``forced``.
 
 A message has run when the last body lease of its task id on the mark's lock key (or on a
-slot of it) ended in a way that ends the task: ``succeeded``, ``failed``, ``revoked`` or
-``skipped``. Not ``retried``, a success that handed the run to a ``Task.replace``
-replacement, nor a ``Reject`` that put the message back (the same task goes on under its
-id: :func:`~celery_dlock.records.goes_on`), nor ``disconnected``, ``expired``,
-``lost`` or ``abandoned`` (its message may be delivered again). A mark whose task holds a
-body lease now is shown as running and left alone. Neither is looked for past the newest
+slot of it) ended in a way that ends the task (:mod:`celery_dlock.marks`, which the janitor
+uses to release such marks itself, within its bounds). A mark whose task holds a body lease
+now is shown as running and left alone. Neither is looked for past the newest
 :data:`~celery_dlock.cli.commands.RECENT` records of each key.
 """
 
@@ -38,13 +35,11 @@ from celery_dlock.cli.commands import (
 )
 from celery_dlock.cli.env import Env, guarded
 from celery_dlock.cli.render import human_duration, lease_json, record_json, table
-from celery_dlock.keys import MARK, is_mark
-from celery_dlock.records import Lease, Outcome, Record, goes_on
+from celery_dlock.marks import ended_task, lock_key_of, release_ran
+from celery_dlock.records import Lease, Record
 
-__all__ = ["FINISHED", "Mark", "marks", "survey"]
+__all__ = ["Mark", "marks", "survey"]
 
-#: How a body lease ends when its task has run for good.
-FINISHED = frozenset({Outcome.SUCCEEDED, Outcome.FAILED, Outcome.REVOKED, Outcome.SKIPPED})
 #: Seconds of clock difference allowed for when the history is searched from a mark's grant.
 SKEW = 600.0
 
@@ -66,10 +61,10 @@ def survey(backend: LockBackend, prefix: str) -> list[Mark]:
     found = []
     listed = backend.leases(prefix)
     for lease in listed:
-        task_name, task_id = lease.holder.task_name, lease.holder.task_id
-        if task_name is None or task_id is None or not is_mark(lease.key, task_name):
+        lock_key = lock_key_of(lease)
+        if lock_key is None:
             continue
-        lock_key = lease.key[: -len(MARK + task_name)]
+        task_id = lease.holder.task_id
         # A mark's key begins with its lock key: the listing under ``prefix`` already holds
         # the body's leases when the lock key begins with ``prefix`` too.
         held_now = listed if lock_key.startswith(prefix) else backend.leases(lock_key)
@@ -83,14 +78,9 @@ def survey(backend: LockBackend, prefix: str) -> list[Mark]:
         query = functools.partial(backend.history, since=since, limit=RECENT)
         records, _ = records_of(backend, lock_key, query, limit=RECENT)
         last = next((r for r in records if r.lease.holder.task_id == task_id), None)
-        ran = last if last is not None and _ended(last) else None
+        ran = last if last is not None and ended_task(last) else None
         found.append(Mark(lease, lock_key, body[0] if body else None, ran))
     return found
-
-
-def _ended(record: Record) -> bool:
-    """Whether ``record``, of a task's body lease, ended the task."""
-    return record.outcome in FINISHED and not goes_on(record)
 
 
 @click.command()
@@ -149,17 +139,8 @@ def marks(env: Env, prefix: str | None, *, release_ran: bool, force: bool, as_js
 
 def _release(env: Env, ran: list[Mark]) -> list[Record]:
     """Release each mark of ``ran`` by its token, recorded ``forced``; the records."""
-    records = []
-    for mark in ran:
-        assert mark.ran is not None
-        details = (
-            f"released by {operator()} with celery-dlock marks --release-ran: its message "
-            f"{mark.lease.holder.task_id} had run ({mark.ran.outcome} on {mark.ran.key})"
-        )
-        record = env.backend.release(mark.lease, Outcome.FORCED, "forced", details)
-        if record is not None:
-            records.append(record)
-    return records
+    found = [(mark.lease, mark.ran) for mark in ran if mark.ran is not None]
+    return release_ran(env.backend, found, f"{operator()} with celery-dlock marks --release-ran")
 
 
 def _state(mark: Mark, now: float) -> str:

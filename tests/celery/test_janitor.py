@@ -41,6 +41,7 @@ def test_reap_clears_dead_holders_and_counts_them(tmp_path: Path) -> None:
         "disconnected": 3,
         "expired": 0,
         "pruned": 0,
+        "marks": 0,
         "skipped": 0,
         "quiet": 0,
     }

@@ -222,6 +222,7 @@ def test_every_setting_and_other_keys_pass() -> None:
         "dlock_history_retention": None,
         "dlock_on_backend_error": "run",
         "dlock_dedupe_ttl": 60,
+        "dlock_janitor_marks": 20,
         "dlock_metrics": False,
     }
     assert set(values) == set(settings_module.SETTINGS)
@@ -229,6 +230,7 @@ def test_every_setting_and_other_keys_pass() -> None:
     app.conf.update(values, DLOCK_LEGACY=1, dlockish=2, my_dlock_thing=3, worker_concurrency=2)
     current = settings(app)
     assert (current.namespace, current.ttl, current.on_backend_error) == ("billing", 30.0, "run")
+    assert current.janitor_marks == 20
 
 
 APP = """

@@ -6,51 +6,27 @@ from __future__ import annotations
 
 import json
 
-from celery_dlock import Holder, Outcome
-from celery_dlock.backends.base import LockBackend
-from celery_dlock.celery.dedupe import mark_key
-from celery_dlock.records import HANDED_ON, REQUEUE, Lease
+from celery_dlock import Outcome
+from celery_dlock.records import HANDED_ON, REQUEUE
 from tests.cli.clitools import CliStore, run_cli
-
-TASK = "shop.sync"
-
-
-def _mark(backend: LockBackend, lock_key: str, task_id: str) -> Lease:
-    """A mark of ``task_id`` on ``lock_key``, handed over to its message."""
-    holder = Holder.current(task_id=task_id, task_name=TASK)
-    lease = backend.try_acquire(mark_key(lock_key, TASK), holder, 60)
-    assert lease is not None
-    handed = backend.hand_over(lease, 3600)
-    assert handed is not None
-    return handed
-
-
-def _body(
-    backend: LockBackend, key: str, task_id: str, outcome: Outcome | None, details: str = ""
-) -> Lease:
-    """A body lease of ``task_id`` on ``key``: released as ``outcome``, or held (None)."""
-    lease = backend.try_acquire(key, Holder.current(task_id=task_id, task_name=TASK), 60)
-    assert lease is not None
-    if outcome is not None:
-        assert backend.release(lease, outcome, None, details or None) is not None
-    return lease
+from tests.support.marks import TASK, body, handed_mark
 
 
 def test_marks_tells_a_mark_whose_message_ran_and_releases_only_those(store: CliStore) -> None:
     backend = store.backend
-    marks = {n: _mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 10)}
-    _body(backend, "job:sync:1", "t1", Outcome.SUCCEEDED)  # ran
-    _body(backend, "job:sync:2", "t2", Outcome.RETRIED)  # goes on under its mark
-    running = _body(backend, "job:sync:3", "t3", None)  # runs now
+    marks = {n: handed_mark(backend, f"job:sync:{n}", f"t{n}") for n in range(1, 10)}
+    body(backend, "job:sync:1", "t1", Outcome.SUCCEEDED)  # ran
+    body(backend, "job:sync:2", "t2", Outcome.RETRIED)  # goes on under its mark
+    running = body(backend, "job:sync:3", "t3", None)  # runs now
     # 4: no run of it seen (queued)
-    _body(backend, "job:sync:5", "t99", Outcome.SUCCEEDED)  # another task id's run
-    _body(backend, "job:sync:6#1", "t6", Outcome.FAILED)  # ran, on a slot of a lock_limit
+    body(backend, "job:sync:5", "t99", Outcome.SUCCEEDED)  # another task id's run
+    body(backend, "job:sync:6#1", "t6", Outcome.FAILED)  # ran, on a slot of a lock_limit
     # A run that replaced itself (Task.replace): the replacement goes on under its task id.
-    _body(backend, "job:sync:7", "t7", Outcome.SUCCEEDED, f"{HANDED_ON}{TASK}: its result...")
-    _body(backend, "job:sync:8", "t8", Outcome.RETRIED)  # retried, then ran
-    _body(backend, "job:sync:8", "t8", Outcome.SUCCEEDED)
+    body(backend, "job:sync:7", "t7", Outcome.SUCCEEDED, f"{HANDED_ON}{TASK}: its result...")
+    body(backend, "job:sync:8", "t8", Outcome.RETRIED)  # retried, then ran
+    body(backend, "job:sync:8", "t8", Outcome.SUCCEEDED)
     # A Reject that put its message back (acks_late): it runs again under its mark.
-    requeued = _body(backend, "job:sync:9", "t9", None)
+    requeued = body(backend, "job:sync:9", "t9", None)
     backend.release(requeued, Outcome.FAILED, "Reject", f"{REQUEUE}True: Reject(...)")
 
     shown = run_cli("--backend", store.url, "marks")
