@@ -16,6 +16,7 @@ from celery_dlock import ConfigurationError, Outcome, install
 from celery_dlock import marks as marks_module
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.memory import MemoryBackend
+from celery_dlock.celery import janitor as janitor_module
 from celery_dlock.celery.settings import backend_for, forget_settings
 from celery_dlock.reap import JANITOR_TASK, janitor_key, reap
 from celery_dlock.records import HANDED_ON, REQUEUE, Lease
@@ -145,8 +146,17 @@ def test_the_celery_janitor_releases_marks_up_to_its_setting(
     for n in range(2):
         handed_mark(backend, f"job:sync:c{n}", f"c{n}")
         body(backend, f"job:sync:c{n}", f"c{n}", Outcome.SUCCEEDED)
-    assert app.tasks[JANITOR_TASK].apply().get()["marks"] == 1
+    janitor = app.tasks[JANITOR_TASK]
+    assert janitor.apply().get()["marks"] == 1
+    # One look every MARKS_EVERY seconds in a process: the next runs leave the other mark.
+    assert [janitor.apply().get()["marks"] for _ in range(3)] == [0, 0, 0]
+    assert len(backend.leases("job:")) == 1
+    monkeypatch.setattr(janitor_module, "MARKS_EVERY", 0.0)
     app.conf.dlock_janitor_marks = 0
     forget_settings(app)
-    assert app.tasks[JANITOR_TASK].apply().get()["marks"] == 0
+    assert janitor.apply().get()["marks"] == 0  # turned off
     assert len(backend.leases("job:")) == 1
+    app.conf.dlock_janitor_marks = 5
+    forget_settings(app)
+    assert janitor.apply().get()["marks"] == 1
+    assert backend.leases("job:") == []

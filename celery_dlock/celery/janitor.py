@@ -7,10 +7,16 @@ A ``celery beat`` of an app whose ``dlock_*`` settings are bad stops as it start
 logged, and that beat used to run on without the janitor's entry (or, with an interval past
 year 9999, log "Cannot calculate the next run" every second), so no lease was ever reaped.
 (Durations past 100 years are refused with the other settings.)
+
+The task looks at the dedupe marks (``dlock_janitor_marks``) at most every
+:data:`MARKS_EVERY` seconds in each worker process, not at every run: a look lists every
+lease of the namespace (on an object store, a read of each), and a mark is released only
+once its message's run ended :data:`~celery_dlock.marks.GRACE` seconds ago anyway.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from celery import Celery
@@ -18,9 +24,13 @@ from celery import signals as celery_signals
 
 from celery_dlock.celery.settings import backend_for, forget_settings, settings
 from celery_dlock.errors import ConfigurationError
+from celery_dlock.marks import GRACE
 from celery_dlock.reap import JANITOR_QUIET, JANITOR_TASK, reap
 
-__all__ = ["register"]
+__all__ = ["MARKS_EVERY", "register"]
+
+#: Seconds between two looks at the dedupe marks by the janitor task in one process.
+MARKS_EVERY = GRACE / 2
 
 
 def _interval(app: Celery) -> float:
@@ -39,19 +49,27 @@ def register(app: Celery) -> Any:
     if existing is not None:
         return existing
 
+    looked_at: dict[str, float] = {}  # when this process's task last looked at the marks
+
     @app.task(name=JANITOR_TASK, ignore_result=False, shared=False)  # type: ignore[untyped-decorator]
     def janitor() -> dict[str, int]:
         """Reap leases whose holder is gone, release the dedupe marks held for a message
         that has run, and prune history past retention; a run with nothing to do is
         recorded once an hour (``reap``'s ``quiet_for``)."""
         current = settings(app)
-        return reap(
+        now = time.monotonic()
+        looked = looked_at.get("marks")
+        marks = current.janitor_marks if looked is None or now - looked >= MARKS_EVERY else 0
+        counts = reap(
             backend_for(app),
             namespace=current.namespace,
             retention=current.history_retention,
             quiet_for=JANITOR_QUIET,
-            marks=current.janitor_marks,
+            marks=marks,
         )
+        if marks:
+            looked_at["marks"] = now
+        return counts
 
     def add_entry(sender: Any = None, **_: Any) -> None:
         target = sender if sender is not None else app
