@@ -3,6 +3,7 @@ history records past retention while acquires run, on Postgres and on Redis.
 
     python bench/bench_janitor.py [--postgres URL] [--redis URL] [--stores postgres,redis]
         [--leases 10000] [--batches 100,1000] [--history 1000000] [--seconds 5]
+        [--marks 100] [--rounds 5]
 
 Everything happens in a schema (Postgres) or key prefix (Redis) of its own, dropped or
 deleted at the end.
@@ -28,8 +29,16 @@ before the prune and over the prune itself, which is one janitor run with a rete
 7 days (an acquire counts in a window when it was under way at some moment of it; the
 longest release under way is shown beside).
 
+Marks (``--marks``): ``--leases`` live leases of which ``--marks`` are dedupe marks of
+queued messages (no run of theirs: each costs the look one history query of its lock key),
+then ``--rounds`` looks of the janitor at them (``celery_dlock.marks.ran_marks``, what the
+beat task runs at most every 150 s per worker process), each beside its floor: the listing
+of the namespace's leases that a look starts with. Postgres with ``liveness=ttl`` (one
+process cannot hold 10,000 session locks).
+
 Targets (issue 17, item 5): a janitor run clears 10,000 dead leases in < 1 s on each store;
-the prune does not block acquires.
+the prune does not block acquires. For the marks, none was set; the look's cost is printed
+beside its listing's.
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ from celery_dlock.backends import backend_from_url
 from celery_dlock.backends.base import LockBackend
 from celery_dlock.backends.redis.fields import record_fields
 from celery_dlock.backends.redis.layout import Layout
+from celery_dlock.celery.dedupe import mark_key
+from celery_dlock.marks import ran_marks
 from celery_dlock.reap import reap
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
@@ -187,6 +198,38 @@ def bench_reap(name: str, url: str, count: int, batch: int) -> None:
         f"| {name} | {count:,} {kind} | {batch} | {took:.3f} s ({verdict} < 1 s) "
         f"| {len(batches)} | {statistics.median(batches) * 1000:.1f} / {max(batches) * 1000:.1f} "
         f"| {sum(batches):.3f} s |"
+    )
+    backend.close()
+
+
+# -- marks -----------------------------------------------------------------------------------
+
+
+def bench_marks(name: str, url: str, count: int, marks: int, rounds: int) -> None:
+    """``rounds`` looks at ``marks`` queued marks among ``count`` live leases, each after the
+    listing alone; medians."""
+    backend = backend_from_url(url + ("&liveness=ttl&ttl=600" if name == "postgres" else ""))
+    holder = Holder.current()
+    for i in range(count - marks):
+        assert backend.try_acquire(f"{NAMESPACE}:lease:{i}", holder, 600.0) is not None
+    for i in range(marks):
+        queued = Holder.current(task_id=f"m{i}", task_name="bench.sync")
+        lease = backend.try_acquire(mark_key(f"{NAMESPACE}:sync:{i}", "bench.sync"), queued, 60)
+        assert lease is not None and backend.hand_over(lease, 3600.0) is not None
+    listing, look = [], []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        listed = backend.leases(f"{NAMESPACE}:")
+        listing.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        found = ran_marks(backend, f"{NAMESPACE}:", sample=marks)
+        look.append(time.perf_counter() - started)
+        assert len(listed) == count and found == [], (len(listed), found)
+    ms = [statistics.median(times) * 1000 for times in (look, listing)]
+    print(
+        f"| {name} | {count:,} ({marks} marks) | {ms[0]:.1f} ms ({min(look) * 1000:.1f}"
+        f"-{max(look) * 1000:.1f}) | {ms[1]:.1f} ms | {ms[0] / ms[1]:.2f} "
+        f"| {(ms[0] - ms[1]) / marks:.2f} ms |"
     )
     backend.close()
 
@@ -321,6 +364,8 @@ def main() -> None:
     parser.add_argument("--batches", default="100,1000")
     parser.add_argument("--history", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--marks", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     logger = logging.getLogger("celery_dlock.janitor")
     logger.propagate = False
@@ -339,6 +384,13 @@ def main() -> None:
             for batch in (int(size) for size in args.batches.split(",")):
                 with stores[name]() as url:
                     bench_reap(name, url, args.leases, batch)
+    if args.marks:
+        print(f"\nmarks: a janitor's look at {args.marks} queued marks, {args.rounds} rounds")
+        print("| store | live leases | look, median (min-max) | its listing | ratio | per mark |")
+        print("|---|---|---|---|---|---|")
+        for name in chosen:
+            with stores[name]() as url:
+                bench_marks(name, url, args.leases, args.marks, args.rounds)
     if args.history:
         for name in chosen:
             with stores[name]() as url:
