@@ -367,6 +367,8 @@ def main() -> None:
     parser.add_argument("--marks", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    if args.marks > args.leases:
+        parser.error(f"--marks {args.marks} is more than --leases {args.leases}: marks are leases")
     logger = logging.getLogger("celery_dlock.janitor")
     logger.propagate = False
     logger.addHandler(logging.StreamHandler(open(os.devnull, "w")))  # noqa: SIM115
