@@ -46,6 +46,8 @@ _READY = b"ready\n"
 #: How long a fork may take before the server is taken for hung.
 COMMAND_START = 30
 _REPO = Path(__file__).resolve().parents[2]
+#: Seconds between two looks of the server at whether its test process is still there.
+_ORPHAN_CHECK = 5.0
 #: What a run is: the command, or a script given by its path (``argv[0]``).
 CLI, SCRIPT = "celery-dlock", "script"
 
@@ -211,10 +213,17 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
+    listener.settimeout(_ORPHAN_CHECK)
+    parent = os.getppid()
     sys.stdout.buffer.write(_READY)
     sys.stdout.flush()
     while True:
-        connection, _ = listener.accept()
+        try:
+            connection, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # its test process is gone (killed): so is it
+                return
+            continue
         _reap()
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
         if not message or len(fds) != 3:  # a client gone before asking
