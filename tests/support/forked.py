@@ -24,7 +24,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib
 import json
+import locale
 import os
 import runpy
 import shutil
@@ -46,6 +48,15 @@ _READY = b"ready\n"
 #: How long a fork may take before the server is taken for hung.
 COMMAND_START = 30
 _REPO = Path(__file__).resolve().parents[2]
+#: What the server imports before its first fork: the command and the stores.
+_PRELOADED = (
+    "celery_dlock.cli",
+    "celery_dlock.backends.file",
+    "celery_dlock.backends.postgres",
+    "celery_dlock.backends.redis",
+    "celery_dlock.backends.s3",
+    "celery_dlock.backends.gcs",
+)
 #: Seconds between two looks of the server at whether its test process is still there.
 _ORPHAN_CHECK = 5.0
 #: What a run is: the command, or a script given by its path (``argv[0]``).
@@ -173,14 +184,8 @@ def _text(file: IO[bytes]) -> str:
     """As :mod:`subprocess` decodes a text-mode output: the locale's encoding, universal
     newlines."""
     file.seek(0)
-    data = file.read().decode(_encoding())
+    data = file.read().decode(locale.getpreferredencoding(False))
     return data.replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _encoding() -> str:
-    import locale
-
-    return locale.getpreferredencoding(False)
 
 
 #: The server of :func:`popen_script`, started with the environment the tests started with.
@@ -202,12 +207,11 @@ def popen_script(script: str | Path, *args: str) -> Forked | subprocess.Popen[by
 
 def serve(path: str) -> None:
     """Import the command and the stores, then fork a run for each request on ``path``."""
-    import celery_dlock.backends.file
-    import celery_dlock.backends.gcs
-    import celery_dlock.backends.postgres
-    import celery_dlock.backends.redis
-    import celery_dlock.backends.s3
-    import celery_dlock.cli  # noqa: F401
+    for module in _PRELOADED:
+        # A store whose driver is not installed (its extra): a run that needs it imports
+        # it itself and fails as it would in a new interpreter, naming the extra.
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
 
     gc.freeze()  # what is imported stays out of the runs' collections (and their pages)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
