@@ -51,11 +51,12 @@ from tests.test_lease_loss_trial import private_redis  # noqa: F401
 REPO = Path(__file__).resolve().parent.parent
 
 #: Holds a renewed lease and ends normally without releasing it; an exit handler of the
-#: application's, registered first (so it runs last), takes half a second (a log
-#: shipper's flush). ``on_lost`` appends the lease's token to ``OUT``.
+#: application's, registered first (so it runs last), takes 1.2 s (a log shipper's flush):
+#: two renewals are due meanwhile. ``on_lost`` appends the lease's token to ``OUT``. The
+#: lease lives 1.5 s: at 0.3 s a loaded CI run could lose it before the exit, for real.
 EXITING = r"""
 import atexit, sys, time
-atexit.register(time.sleep, 0.5)
+atexit.register(time.sleep, 1.2)
 from celery_dlock import Lock, backend_from_url
 
 url, key, out = sys.argv[1:4]
@@ -64,7 +65,7 @@ def on_lost(lease):
     with open(out, "a") as f:
         f.write(lease.token + "\n")
 
-lock = Lock(backend_from_url(url), key, ttl=0.3, on_lost=on_lost)
+lock = Lock(backend_from_url(url), key, ttl=1.5, on_lost=on_lost)
 first = lock.acquire()
 while lock.lease.expires_at <= first.expires_at:
     time.sleep(0.01)
