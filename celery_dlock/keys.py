@@ -30,6 +30,7 @@ __all__ = [
     "canonical",
     "replacement_name",
     "slot_keys",
+    "slot_of",
     "validate_key",
     "validate_limit",
 ]
@@ -81,6 +82,11 @@ def validate_limit(limit: int) -> int:
             f"tries every one), not {limit}"
         )
     return limit
+
+
+def slot_of(slot: str, key: str) -> bool:
+    """Whether ``slot`` is one of ``key``'s slots (``key#0``, ``key#1``, ...)."""
+    return slot.startswith(f"{key}#") and slot[len(key) + 1 :].isdigit()
 
 
 def slot_keys(key: str, limit: int) -> tuple[str, ...]:

@@ -31,13 +31,15 @@ The janitor's check is bounded and careful, as a run every 30 s must be:
 from __future__ import annotations
 
 import random
-import time
 
-from celery_dlock.backends.base import LockBackend, server_time
-from celery_dlock.keys import MARK, is_mark
+from celery_dlock.backends.base import LockBackend, store_now
+from celery_dlock.keys import MARK, is_mark, slot_of
 from celery_dlock.records import Lease, Outcome, Record, goes_on
 
-__all__ = ["FINISHED", "GRACE", "RECENT", "SKEW", "ended_task", "ran_marks", "release_ran"]
+__all__ = [
+    "FINISHED", "GRACE", "RECENT", "SKEW", "bodies_held", "ended_task", "last_run", "lock_key_of",
+    "ran_marks", "release_ran",
+]  # fmt: skip
 
 #: How a body lease ends when its task has run for good.
 FINISHED = frozenset({Outcome.SUCCEEDED, Outcome.FAILED, Outcome.REVOKED, Outcome.SKIPPED})
@@ -62,6 +64,33 @@ def lock_key_of(mark: Lease) -> str | None:
     return mark.key[: -len(MARK + task_name)]
 
 
+def bodies_held(
+    backend: LockBackend,
+    listed: list[Lease],
+    prefix: str,
+    mark: Lease,
+    lock_key: str,
+    *,
+    slots: bool,
+) -> list[Lease]:
+    """The body leases of ``mark``'s task id held now on ``lock_key`` (and, with ``slots``,
+    on its slots), from ``listed`` (the leases under ``prefix``) where it holds them."""
+    # A mark's key begins with its lock key: the listing under ``prefix`` already holds the
+    # body's leases when the lock key begins with ``prefix`` too.
+    held = listed if lock_key.startswith(prefix) else backend.leases(lock_key)
+    return [
+        lease
+        for lease in held
+        if (lease.key == lock_key or (slots and slot_of(lease.key, lock_key)))
+        and lease.holder.task_id == mark.holder.task_id
+    ]
+
+
+def last_run(records: list[Record], mark: Lease) -> Record | None:
+    """The newest of ``records`` (newest first) of ``mark``'s task id."""
+    return next((r for r in records if r.lease.holder.task_id == mark.holder.task_id), None)
+
+
 def ran_marks(
     backend: LockBackend, prefix: str, *, sample: int, grace: float | None = None
 ) -> list[tuple[Lease, Record]]:
@@ -72,17 +101,13 @@ def ran_marks(
     marks = [(lease, key) for lease in listed if (key := lock_key_of(lease)) is not None]
     if len(marks) > sample:
         marks = random.sample(marks, sample)
-    server = server_time(backend)
-    now = time.time() if server is None else server
+    now = store_now(backend)
     found = []
     for mark, lock_key in marks:
-        task_id = mark.holder.task_id
-        held = listed if lock_key.startswith(prefix) else backend.leases(lock_key)
-        if any(lease.key == lock_key and lease.holder.task_id == task_id for lease in held):
+        if bodies_held(backend, listed, prefix, mark, lock_key, slots=False):
             continue  # its body runs now
         since = mark.acquired_at - SKEW
-        records = backend.history(key=lock_key, since=since, limit=RECENT)
-        last = next((r for r in records if r.lease.holder.task_id == task_id), None)
+        last = last_run(backend.history(key=lock_key, since=since, limit=RECENT), mark)
         if (
             last is not None
             and ended_task(last)

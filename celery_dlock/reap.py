@@ -83,8 +83,8 @@ def reap(
             or ``limit`` is not a whole number >= 1, or ``marks`` not one >= 0.
     """
     _check(retention, batch, max_batches, limit, marks)
-    counts = dict.fromkeys(("reaped", "disconnected", "expired", "pruned", "marks"), 0)
-    counts |= {"skipped": 0, "quiet": 0}
+    names = ("reaped", "disconnected", "expired", "pruned", "marks", "skipped", "quiet")
+    counts = dict.fromkeys(names, 0)
     left = batch * max_batches if limit is None else limit
     if marks:
         prefix = f"{namespace}:" if namespace else ""

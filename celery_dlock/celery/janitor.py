@@ -49,17 +49,18 @@ def register(app: Celery) -> Any:
     if existing is not None:
         return existing
 
-    looked_at: dict[str, float] = {}  # when this process's task last looked at the marks
+    looked_at: float | None = None  # when this process's task last looked at the marks
 
     @app.task(name=JANITOR_TASK, ignore_result=False, shared=False)  # type: ignore[untyped-decorator]
     def janitor() -> dict[str, int]:
         """Reap leases whose holder is gone, release the dedupe marks held for a message
         that has run, and prune history past retention; a run with nothing to do is
         recorded once an hour (``reap``'s ``quiet_for``)."""
+        nonlocal looked_at
         current = settings(app)
         now = time.monotonic()
-        looked = looked_at.get("marks")
-        marks = current.janitor_marks if looked is None or now - looked >= MARKS_EVERY else 0
+        due = looked_at is None or now - looked_at >= MARKS_EVERY
+        marks = current.janitor_marks if due else 0
         counts = reap(
             backend_for(app),
             namespace=current.namespace,
@@ -68,7 +69,7 @@ def register(app: Celery) -> Any:
             marks=marks,
         )
         if marks:
-            looked_at["marks"] = now
+            looked_at = now
         return counts
 
     def add_entry(sender: Any = None, **_: Any) -> None:

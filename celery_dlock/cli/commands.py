@@ -12,13 +12,12 @@ import functools
 import getpass
 import os
 import socket
-import time
 from collections.abc import Callable
 from typing import NoReturn
 
 import click
 
-from celery_dlock.backends.base import LockBackend, server_time
+from celery_dlock.backends.base import LockBackend, store_now
 from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import (
     MOST,
@@ -34,22 +33,15 @@ from celery_dlock.cli.render import (
     table,
     with_metadata,
 )
-from celery_dlock.keys import validate_key
+from celery_dlock.keys import slot_of, validate_key
 from celery_dlock.records import Lease, Outcome, Record
 
 __all__ = [
     "COMMANDS", "JSON", "PROBLEM_OUTCOMES", "RECENT", "confirmed", "operator", "records_of",
-    "slot_of", "store_now",
 ]  # fmt: skip
 
 #: ``--json`` on every command.
 JSON = click.option("--json", "as_json", is_flag=True, help="Print JSON (stable keys) for scripts.")
-
-
-def store_now(backend: LockBackend) -> float:
-    """Now, on the store's clock where it has one (leases carry the store's times)."""
-    server = server_time(backend)
-    return time.time() if server is None else server
 
 
 def _key_hint(env: Env, key: str, *, history: bool = False) -> str:
@@ -81,11 +73,6 @@ def _prefix_hint(env: Env, key: str) -> str:
         f" (--key is one key in full; {len(started)} keys of the newest records start with "
         f"it: {shown}; `timeline --key {key}` shows them together)"
     )
-
-
-def slot_of(slot: str, key: str) -> bool:
-    """Whether ``slot`` is one of ``key``'s slots (``key#0``, ``key#1``, ...)."""
-    return slot.startswith(f"{key}#") and slot[len(key) + 1 :].isdigit()
 
 
 # -- leases ---------------------------------------------------------------------------------

@@ -23,19 +23,11 @@ from typing import Any
 
 import click
 
-from celery_dlock.backends.base import LockBackend
-from celery_dlock.cli.commands import (
-    JSON,
-    RECENT,
-    confirmed,
-    operator,
-    records_of,
-    slot_of,
-    store_now,
-)
+from celery_dlock.backends.base import LockBackend, store_now
+from celery_dlock.cli.commands import JSON, RECENT, confirmed, operator, records_of
 from celery_dlock.cli.env import Env, guarded
 from celery_dlock.cli.render import human_duration, lease_json, record_json, table
-from celery_dlock.marks import ended_task, lock_key_of, release_ran
+from celery_dlock.marks import bodies_held, ended_task, last_run, lock_key_of, release_ran
 from celery_dlock.records import Lease, Record
 
 __all__ = ["Mark", "marks", "survey"]
@@ -64,20 +56,11 @@ def survey(backend: LockBackend, prefix: str) -> list[Mark]:
         lock_key = lock_key_of(lease)
         if lock_key is None:
             continue
-        task_id = lease.holder.task_id
-        # A mark's key begins with its lock key: the listing under ``prefix`` already holds
-        # the body's leases when the lock key begins with ``prefix`` too.
-        held_now = listed if lock_key.startswith(prefix) else backend.leases(lock_key)
-        body = [
-            held
-            for held in held_now
-            if (held.key == lock_key or slot_of(held.key, lock_key))
-            and held.holder.task_id == task_id
-        ]
+        body = bodies_held(backend, listed, prefix, lease, lock_key, slots=True)
         since = lease.acquired_at - SKEW
         query = functools.partial(backend.history, since=since, limit=RECENT)
         records, _ = records_of(backend, lock_key, query, limit=RECENT)
-        last = next((r for r in records if r.lease.holder.task_id == task_id), None)
+        last = last_run(records, lease)
         ran = last if last is not None and ended_task(last) else None
         found.append(Mark(lease, lock_key, body[0] if body else None, ran))
     return found
