@@ -24,9 +24,7 @@ from tests.backends.storecase import StoreCase
 from tests.support.marks import TASK, body, handed_mark
 
 # ``case`` is the janitor trial's fixture: the tests name it as a parameter (F811).
-from tests.test_janitor_trial import case, stores  # noqa: F401
-
-ALL = ["file", "gcs", "memory", "postgres", "redis", "s3"]
+from tests.test_janitor_trial import ALL, case, stores  # noqa: F401
 
 
 def _held(backend: LockBackend, mark: Lease) -> bool:

@@ -22,10 +22,8 @@ from tests.support import eventually
 from tests.support.expiry import expired_leases
 
 # ``case`` is the first trial's fixture: the tests name it as a parameter (F811).
-from tests.test_janitor_trial import case, stores  # noqa: F401
+from tests.test_janitor_trial import ALL, case, stores  # noqa: F401
 
-#: Every store, each on the real clock (``reap`` takes its retention from ``time.time``).
-ALL = ["file", "gcs", "memory", "postgres", "redis", "s3"]
 TTL = 0.4
 
 
