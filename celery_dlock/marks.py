@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import random
 
-from celery_dlock.backends.base import LockBackend, store_now
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.common import store_now
 from celery_dlock.keys import MARK, is_mark, slot_of
 from celery_dlock.records import Lease, Outcome, Record, goes_on
 

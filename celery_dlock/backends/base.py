@@ -8,7 +8,6 @@ Every backend passes the shared contract suite in ``tests/backends/``.
 from __future__ import annotations
 
 import random
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ __all__ = [
     "hand_over_ttl",
     "remembered",
     "server_time",
-    "store_now",
     "success_task",
     "validate_ttl",
 ]
@@ -214,12 +212,6 @@ class AsyncStore(Protocol):
 def server_time(backend: LockBackend) -> float | None:
     """``backend``'s own clock now, or None where it has none it can tell (Diagnosable)."""
     return backend.server_time() if isinstance(backend, Diagnosable) else None
-
-
-def store_now(backend: LockBackend) -> float:
-    """Now, on the store's clock where it has one (leases carry the store's times)."""
-    server = server_time(backend)
-    return time.time() if server is None else server
 
 
 class LockBackend(ABC):

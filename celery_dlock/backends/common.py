@@ -1,6 +1,7 @@
 """What the store implementations share beside the contract: objects made once per
 process (the one fork-safety mechanism), expiry arithmetic, the record of a retry's
-takeover, the count of a dead lease taken over, and URL options."""
+takeover, the count of a dead lease taken over, and URL options; and, for the stores' users
+(the janitor, the CLI), now on a store's clock."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from urllib.parse import parse_qsl
 
 from celery_dlock import metrics
+from celery_dlock.backends.base import LockBackend, server_time
 from celery_dlock.errors import ConfigurationError
 from celery_dlock.records import Holder, Lease, Outcome, Record
 
@@ -29,6 +31,7 @@ __all__ = [
     "flag",
     "retried",
     "retried_details",
+    "store_now",
     "taken_over",
     "url_options",
     "wall_clock",
@@ -245,6 +248,12 @@ def expiry(now: float, ttl: float | None) -> float | None:
 
 def wall_clock() -> float:
     return time.time()
+
+
+def store_now(backend: LockBackend) -> float:
+    """Now, on the store's clock where it has one (leases carry the store's times)."""
+    server = server_time(backend)
+    return time.time() if server is None else server
 
 
 def flag(text: str) -> bool:

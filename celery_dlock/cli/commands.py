@@ -17,7 +17,8 @@ from typing import NoReturn
 
 import click
 
-from celery_dlock.backends.base import LockBackend, store_now
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.common import store_now
 from celery_dlock.cli.env import Env, UsageFailure, guarded
 from celery_dlock.cli.render import (
     MOST,

@@ -14,7 +14,8 @@ from typing import Literal
 
 import click
 
-from celery_dlock.backends.base import Diagnosable, server_time, store_now
+from celery_dlock.backends.base import Diagnosable, server_time
+from celery_dlock.backends.common import store_now
 from celery_dlock.cli.commands import JSON
 from celery_dlock.cli.env import Env, failure_text, guarded
 from celery_dlock.cli.render import DURATION, human_duration, local_time, table

@@ -23,7 +23,8 @@ from typing import Any
 
 import click
 
-from celery_dlock.backends.base import LockBackend, store_now
+from celery_dlock.backends.base import LockBackend
+from celery_dlock.backends.common import store_now
 from celery_dlock.cli.commands import JSON, RECENT, confirmed, operator, records_of
 from celery_dlock.cli.env import Env, guarded
 from celery_dlock.cli.render import human_duration, lease_json, record_json, table
